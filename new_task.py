@@ -1,0 +1,269 @@
+#!/usr/bin/env python
+"""Queue tasks for tasks_worker.py: the final producer of RabbitMQ tutorial two.
+
+python new_task.py First message.
+python new_task.py --stdin < tasks.txt
+"""
+
+import argparse
+import asyncio
+import logging
+import os
+import re
+import sys
+import time
+from collections.abc import AsyncIterator
+from typing import NoReturn
+
+import aio_pika
+from aio_pika.abc import AbstractChannel, AbstractConnection
+from aio_pika.exceptions import (
+    AMQPError,
+    ChannelInvalidStateError,
+    ChannelPreconditionFailed,
+    DeliveryError,
+    ProbableAuthenticationError,
+    PublishError,
+)
+from pamqp.common import Arguments
+from yarl import URL
+
+DEFAULT_URL = "amqp://guest:guest@localhost/"
+CONNECT_TIMEOUT = 5.0
+# Enough unconfirmed tasks in flight to keep the broker's disk writes batched,
+# few enough that a lost connection leaves a short list of lines to resend.
+CONFIRM_WINDOW = 256
+# A quorum queue counts deliveries itself: past this many redeliveries the
+# broker moves a failing task to "<queue>.failed" instead of requeueing it.
+QUORUM_DELIVERY_LIMIT = 1
+
+
+class UserError(Exception):
+    """A problem the user can fix; its text is the one line we print."""
+
+
+def shown(body: bytes) -> str:
+    """The task as the tutorial prints it: the repr of its text (of its bytes if not UTF-8)."""
+    try:
+        text: str | bytes = body.decode()
+    except UnicodeDecodeError:
+        text = body
+    quoted = repr(text)
+    return quoted if len(quoted) <= 200 else f"{quoted[:200]}... ({len(body)} bytes)"
+
+
+def broker_addresses(urls: list[str]) -> list[URL]:
+    addresses = []
+    for url in (part.strip() for text in urls for part in text.split(",")):
+        masked = re.sub(r"(//[^/@:]*:)[^/@]*@", r"\1****@", url)
+        try:
+            address = URL(url)
+            valid = address.scheme in ("amqp", "amqps") and bool(address.host) and address.port != 0
+        except ValueError:
+            valid = False
+        if not valid:
+            raise UserError(
+                f"malformed broker URL {masked!r}; write it as amqp://user:password@host:port/vhost"
+            )
+        addresses.append(address)
+    return addresses
+
+
+def explain(error: BaseException, addresses: list[URL], queue: str) -> str:
+    """One line naming what went wrong and how to fix it; never the password."""
+    address = addresses[-1]
+    where = ", ".join(f"{url.host}:{url.port or 5672}" for url in addresses)
+    vhost = address.path[1:] or "/"
+    if isinstance(error, ChannelPreconditionFailed):
+        found = re.search(r"inequivalent arg '([^']*)'.*: received (.*) but current is (.*)", str(error))
+        differs = (
+            f"{found[1]}: this script asks for {found[2]}, the queue has {found[3]}" if found else str(error)
+        )
+        return (
+            f"queue {queue!r} already exists with other properties ({differs}); "
+            f"use another name with --queue, or delete it once empty with `rabbitmqctl delete_queue {queue}`"
+        )
+    if isinstance(error, ProbableAuthenticationError):
+        return (
+            f"RabbitMQ at {where} refused user {address.user!r}: wrong user name or password; "
+            "fix them in --url or AMQP_URL"
+        )
+    if isinstance(error, AMQPError) and "Connection.Close" in str(error):
+        return (
+            f"RabbitMQ at {where} would not open virtual host {vhost!r}: it does not exist "
+            f"or {address.user!r} may not use it; create it with `rabbitmqctl add_vhost {vhost}` "
+            f"and `rabbitmqctl set_permissions -p {vhost} {address.user} '.*' '.*' '.*'`, "
+            "or fix the URL's path"
+        )
+    reason = "no answer" if isinstance(error, TimeoutError) else str(error)
+    return (
+        f"cannot reach RabbitMQ at {where} ({reason}); start it, for example "
+        "with `docker compose up -d`, or point --url or AMQP_URL at a running broker"
+    )
+
+
+async def connect(addresses: list[URL]) -> AbstractConnection:
+    for address in addresses[:-1]:
+        try:
+            return await aio_pika.connect(address, timeout=CONNECT_TIMEOUT)
+        except (ConnectionError, OSError, TimeoutError):
+            continue
+    return await aio_pika.connect(addresses[-1], timeout=CONNECT_TIMEOUT)
+
+
+def queue_arguments(queue: str, queue_type: str) -> Arguments:
+    if queue_type == "classic":
+        return None
+    return {
+        "x-queue-type": "quorum",
+        "x-delivery-limit": QUORUM_DELIVERY_LIMIT,
+        "x-dead-letter-exchange": "",
+        "x-dead-letter-routing-key": f"{queue}.failed",
+    }
+
+
+async def stdin_lines() -> AsyncIterator[tuple[int, bytes]]:
+    # Read in a thread: a read blocking the event loop would also hold up
+    # the confirms of the tasks already sent.
+    pending, number = b"", 0
+    while chunk := await asyncio.to_thread(os.read, sys.stdin.fileno(), 1 << 16):
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            number += 1
+            if line.strip():
+                yield number, line.rstrip(b"\r")
+    if pending.strip():
+        yield number + 1, pending.rstrip(b"\r")
+
+
+async def single_task(body: bytes) -> AsyncIterator[tuple[int, bytes]]:
+    yield 1, body
+
+
+class Progress:
+    """Counts tasks, and shows the counts on stderr when a person watches it."""
+
+    def __init__(self) -> None:
+        self.read = self.sent = 0
+        self.unsent: list[tuple[int, bytes, str]] = []
+        self.started = time.monotonic()
+        self.shown_at = 0.0
+        self.on_terminal = sys.stderr.isatty()
+
+    def show(self, final: bool = False) -> None:
+        now = time.monotonic()
+        if self.on_terminal and (final or now - self.shown_at >= 0.5):
+            self.shown_at = now
+            rate = self.sent / max(now - self.started, 1e-9)
+            print(
+                f"\r {self.read} read, {self.sent} sent, {rate:.0f} tasks/s",
+                end="\n" if final else "",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+async def publish_tasks(
+    channel: AbstractChannel, queue: str, tasks: AsyncIterator[tuple[int, bytes]]
+) -> Progress:
+    progress = Progress()
+    window = asyncio.Semaphore(CONFIRM_WINDOW)
+    in_flight: set[asyncio.Task[None]] = set()
+
+    async def publish(number: int, body: bytes) -> None:
+        failure = "no confirm arrived"
+        try:
+            # The confirm awaited here means the broker has taken the task
+            # and, the message being persistent, written it to disk.
+            await channel.default_exchange.publish(
+                aio_pika.Message(body, delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
+                routing_key=queue,
+                mandatory=True,
+            )
+            failure = ""
+        except PublishError as error:
+            failure = f"returned by the broker: {error.args[0]}"
+        except DeliveryError:
+            failure = "refused by the broker (nack)"
+        except (AMQPError, ChannelInvalidStateError, ConnectionError) as error:
+            failure = f"connection lost: {error or type(error).__name__}"
+        finally:
+            window.release()
+            if failure:
+                progress.unsent.append((number, body, failure))
+            else:
+                progress.sent += 1
+            progress.show()
+
+    async for number, body in tasks:
+        await window.acquire()
+        progress.read += 1
+        task = asyncio.create_task(publish(number, body))
+        in_flight.add(task)
+        task.add_done_callback(in_flight.discard)
+    await asyncio.gather(*in_flight)
+    progress.show(final=True)
+    return progress
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message}; see --help\n")
+
+
+async def main(argv: list[str] | None = None) -> int:
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "words", nargs="*", help="the task; each '.' is a second of work (default: Hello World!)"
+    )
+    parser.add_argument(
+        "--url",
+        action="append",
+        help="broker URL, or several tried in order, comma-separated "
+        f"or repeated (default: $AMQP_URL, else {DEFAULT_URL})",
+    )
+    parser.add_argument("--queue", default="task_queue", help="queue name (default: %(default)s)")
+    parser.add_argument(
+        "--queue-type",
+        choices=("classic", "quorum"),
+        default="classic",
+        help="classic, as the tutorial, or quorum for a cluster (default: %(default)s)",
+    )
+    parser.add_argument("--stdin", action="store_true", help="queue one task per line of standard input")
+    args = parser.parse_args(argv)
+    addresses = broker_addresses(args.url or [os.environ.get("AMQP_URL", DEFAULT_URL)])
+    message = " ".join(args.words) or "Hello World!"
+
+    try:
+        connection = await connect(addresses)
+        async with connection:
+            # With confirms on and on_return_raises, a task the broker refuses
+            # or cannot route raises instead of vanishing unnoticed.
+            channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+            # durable=True, and the same declaration as the worker's, so the
+            # queue and the task wait here even if no worker ever ran.
+            await channel.declare_queue(
+                args.queue, durable=True, arguments=queue_arguments(args.queue, args.queue_type)
+            )
+            tasks = stdin_lines() if args.stdin else single_task(message.encode())
+            progress = await publish_tasks(channel, args.queue, tasks)
+    except (AMQPError, ConnectionError, OSError, TimeoutError) as error:
+        raise UserError(explain(error, addresses, args.queue)) from None
+
+    for number, body, failure in progress.unsent:
+        where = f"line {number}" if args.stdin else "task"
+        print(f"error: {where} not sent ({failure}): {shown(body)}", file=sys.stderr)
+    if progress.unsent:
+        return 1
+    print(f" [x] Sent {progress.sent} tasks" if args.stdin else f" [x] Sent {message!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    # The library's own log lines would repeat, as tracebacks, the one-line
+    # error we print.
+    logging.disable(logging.ERROR)
+    try:
+        sys.exit(asyncio.run(main()))
+    except UserError as error:
+        sys.exit(f"error: {error}")
