@@ -4,6 +4,7 @@ Tests wait on the scripts' output lines (events), never on fixed sleeps.
 """
 
 import asyncio
+import contextlib
 import os
 import queue
 import re
@@ -102,8 +103,12 @@ class Script:
         self.stderr_lines: list[str] = []
         self._events: queue.Queue[tuple[str, str]] = queue.Queue()
         self._readers = [
-            threading.Thread(target=self._read, args=(self.process.stdout, "out", self.stdout_lines), daemon=True),
-            threading.Thread(target=self._read, args=(self.process.stderr, "err", self.stderr_lines), daemon=True),
+            threading.Thread(
+                target=self._read, args=(self.process.stdout, "out", self.stdout_lines), daemon=True
+            ),
+            threading.Thread(
+                target=self._read, args=(self.process.stderr, "err", self.stderr_lines), daemon=True
+            ),
         ]
         for reader in self._readers:
             reader.start()
@@ -130,10 +135,8 @@ class Script:
                     f"{self.name}: no line matching {pattern!r} within {timeout} s;\n"
                     f"stdout: {self.stdout_lines}\nstderr: {self.stderr_lines}\nexit: {self.process.poll()}"
                 )
-            try:
+            with contextlib.suppress(queue.Empty):
                 self._events.get(timeout=0.05)
-            except queue.Empty:
-                pass
 
     def count(self, pattern: str, stream: str = "out") -> int:
         lines = self.stdout_lines if stream == "out" else self.stderr_lines
@@ -169,7 +172,9 @@ def start(script_env: dict[str, str]) -> Iterator[Callable[..., Script]]:
     """Start a script the way a reader does in a shell; every one is stopped after the test."""
     started: list[Script] = []
 
-    def _start(name: str, *args: str, env: dict[str, str] | None = None, stdin: bytes | None = None) -> Script:
+    def _start(
+        name: str, *args: str, env: dict[str, str] | None = None, stdin: bytes | None = None
+    ) -> Script:
         script = Script(name, *args, env=env or script_env, stdin=stdin)
         started.append(script)
         return script
