@@ -70,18 +70,18 @@ async def on_message(message: AbstractIncomingMessage, settings: Settings) -> No
 
 async def retry_or_park(message: AbstractIncomingMessage, error: Exception, settings: Settings) -> None:
     """Requeue a failed task once; when it fails again, move it aside so it cannot loop."""
-    failure = f" [!] Task {shown(message.body)} failed ({type(error).__name__}: {error})"
+    task, reason = shown(message.body), f"{type(error).__name__}: {error}"
     if settings.quorum:
         delivery_count = message.headers.get("x-delivery-count") or 0
         last_attempt = isinstance(delivery_count, int) and delivery_count >= QUORUM_DELIVERY_LIMIT
     else:
         last_attempt = bool(message.redelivered)
     if not last_attempt:
-        say(f"{failure}; back to the queue for one more attempt")
+        say(f" [!] Task {task} failed ({reason}); back to the queue for one more attempt")
         await message.nack(requeue=True)
     elif settings.quorum:
         # Past the queue's delivery limit the broker dead-letters the task.
-        say(f"{failure} again; RabbitMQ moves it to queue {settings.failed_queue!r}")
+        say(f" [!] Task {task} failed again ({reason}); RabbitMQ moves it to queue {settings.failed_queue!r}")
         await message.nack(requeue=True)
     else:
         # Copy first, ack second: a crash in between leaves the task in both
@@ -89,7 +89,7 @@ async def retry_or_park(message: AbstractIncomingMessage, error: Exception, sett
         await settings.channel.default_exchange.publish(
             aio_pika.Message(
                 message.body,
-                headers={**message.headers, "x-failure": failure.strip()},
+                headers={**message.headers, "x-failure": reason},
                 content_type=message.content_type,
                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
             ),
@@ -97,7 +97,7 @@ async def retry_or_park(message: AbstractIncomingMessage, error: Exception, sett
             mandatory=True,
         )
         await message.ack()
-        say(f"{failure} again; moved to queue {settings.failed_queue!r}")
+        say(f" [!] Task {task} failed again ({reason}); moved to queue {settings.failed_queue!r}")
 
 
 def say(line: str) -> None:
