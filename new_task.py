@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import NoReturn
@@ -123,10 +124,22 @@ def queue_arguments(queue: str, queue_type: str) -> Arguments:
 
 
 async def stdin_lines() -> AsyncIterator[tuple[int, bytes]]:
-    # Read in a thread: a read blocking the event loop would also hold up
-    # the confirms of the tasks already sent.
+    # A thread reads: a read that blocks the event loop would also hold up the
+    # confirms of the tasks already sent. It is a daemon thread, so Ctrl+C
+    # need not wait for a pipe that never closes.
+    loop = asyncio.get_running_loop()
+    chunks: asyncio.Queue[bytes] = asyncio.Queue(maxsize=4)
+
+    def read_all() -> None:
+        while True:
+            chunk = os.read(sys.stdin.fileno(), 1 << 16)
+            asyncio.run_coroutine_threadsafe(chunks.put(chunk), loop).result()
+            if not chunk:
+                return
+
+    threading.Thread(target=read_all, daemon=True).start()
     pending, number = b"", 0
-    while chunk := await asyncio.to_thread(os.read, sys.stdin.fileno(), 1 << 16):
+    while chunk := await chunks.get():
         *lines, pending = (pending + chunk).split(b"\n")
         for line in lines:
             number += 1
@@ -201,7 +214,7 @@ async def publish_tasks(
         task = asyncio.create_task(publish(number, body))
         in_flight.add(task)
         task.add_done_callback(in_flight.discard)
-    await asyncio.gather(*in_flight)
+    await asyncio.gather(*in_flight, return_exceptions=True)
     progress.show(final=True)
     return progress
 
@@ -231,6 +244,8 @@ async def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--stdin", action="store_true", help="queue one task per line of standard input")
     args = parser.parse_args(argv)
+    if args.stdin and args.words:
+        parser.error("--stdin reads the tasks from standard input: give no task words with it")
     addresses = broker_addresses(args.url or [os.environ.get("AMQP_URL", DEFAULT_URL)])
     message = " ".join(args.words) or "Hello World!"
 
@@ -250,7 +265,7 @@ async def main(argv: list[str] | None = None) -> int:
     except (AMQPError, ConnectionError, OSError, TimeoutError) as error:
         raise UserError(explain(error, addresses, args.queue)) from None
 
-    for number, body, failure in progress.unsent:
+    for number, body, failure in sorted(progress.unsent):
         where = f"line {number}" if args.stdin else "task"
         print(f"error: {where} not sent ({failure}): {shown(body)}", file=sys.stderr)
     if progress.unsent:
@@ -267,3 +282,5 @@ if __name__ == "__main__":
         sys.exit(asyncio.run(main()))
     except UserError as error:
         sys.exit(f"error: {error}")
+    except KeyboardInterrupt:
+        sys.exit("error: interrupted; a task without its ' [x] Sent' line may not be queued")
