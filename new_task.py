@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""Queue tasks for tasks_worker.py: the final producer of RabbitMQ tutorial two.
+"""Queue tasks in "task_queue": the final producer of RabbitMQ tutorial two.
 
-python new_task.py First message.
-python new_task.py --stdin < tasks.txt
+Its tasks survive a broker restart: durable queue, persistent messages, confirms.
+
+    python new_task.py First message.
+    python new_task.py --stdin < tasks.txt
 """
 
 import argparse

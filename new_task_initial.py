@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Send tasks to the queue "hello": the first, naive producer of RabbitMQ tutorial two.
 
-It loses tasks when RabbitMQ restarts; new_task.py is the fixed version.
+Its tasks are lost when RabbitMQ restarts; new_task.py is the fixed version.
 
     python new_task_initial.py First message.
 """
