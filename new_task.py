@@ -58,7 +58,7 @@ def shown(body: bytes) -> str:
 def broker_addresses(urls: list[str]) -> list[URL]:
     addresses = []
     for url in (part.strip() for text in urls for part in text.split(",")):
-        masked = re.sub(r"(//[^/@:]*:)[^/@]*@", r"\1****@", url)
+        masked = re.sub(r"(//[^/@:]*:).*@", r"\1****@", url)
         try:
             address = URL(url)
             valid = address.scheme in ("amqp", "amqps") and bool(address.host) and address.port != 0
@@ -83,8 +83,9 @@ def explain(error: BaseException, addresses: list[URL], queue: str) -> str:
             f"{found[1]}: this script asks for {found[2]}, the queue has {found[3]}" if found else str(error)
         )
         return (
-            f"queue {queue!r} already exists with other properties ({differs}); "
-            f"use another name with --queue, or delete it once empty with `rabbitmqctl delete_queue {queue}`"
+            f"queue {queue!r} already exists with other properties ({differs}; all of them, type included: "
+            "`rabbitmqctl list_queues name durable type arguments`); use another name with --queue, "
+            f"or delete it once empty with `rabbitmqctl delete_queue {queue}`"
         )
     if isinstance(error, ProbableAuthenticationError):
         return (

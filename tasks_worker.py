@@ -128,7 +128,9 @@ class FailoverConnection(aio_pika.RobustConnection):
         return f"{self.url.host}:{self.url.port or 5672}"
 
     def report_loss(self, _: object, error: BaseException | None) -> None:
-        if not self.close_called:
+        # connection_attempt counts the connections made: a first attempt
+        # that fails was never a connection to lose.
+        if self.connection_attempt and not self.close_called:
             say(f" [!] Lost the connection to {self.where()} ({error}); reconnecting")
 
     def report_return(self, _: object) -> None:
@@ -161,7 +163,7 @@ async def connect(addresses: list[URL]) -> AbstractRobustConnection:
 def broker_addresses(urls: list[str]) -> list[URL]:
     addresses = []
     for url in (part.strip() for text in urls for part in text.split(",")):
-        masked = re.sub(r"(//[^/@:]*:)[^/@]*@", r"\1****@", url)
+        masked = re.sub(r"(//[^/@:]*:).*@", r"\1****@", url)
         try:
             address = URL(url)
             valid = address.scheme in ("amqp", "amqps") and bool(address.host) and address.port != 0
@@ -186,8 +188,9 @@ def explain(error: BaseException, addresses: list[URL], queue: str) -> str:
             f"{found[1]}: this script asks for {found[2]}, the queue has {found[3]}" if found else str(error)
         )
         return (
-            f"queue {queue!r} already exists with other properties ({differs}); "
-            f"use another name with --queue, or delete it once empty with `rabbitmqctl delete_queue {queue}`"
+            f"queue {queue!r} already exists with other properties ({differs}; all of them, type included: "
+            "`rabbitmqctl list_queues name durable type arguments`); use another name with --queue, "
+            f"or delete it once empty with `rabbitmqctl delete_queue {queue}`"
         )
     if isinstance(error, ProbableAuthenticationError):
         return (
@@ -228,6 +231,13 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}; see --help\n")
 
 
+def prefetch_count(text: str) -> int:
+    count = int(text)
+    if not 0 <= count <= 65535:
+        raise ValueError(text)
+    return count
+
+
 def at_least_zero(text: str) -> float:
     value = float(text)
     if not value >= 0:
@@ -252,8 +262,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--prefetch",
-        type=int,
-        choices=range(0, 65536),
+        type=prefetch_count,
         metavar="N",
         default=1,
         help="tasks run at once; 1 is fair dispatch, 0 is no limit (default: %(default)s)",
