@@ -115,7 +115,7 @@ def test_quorum_declaration_of_a_classic_queue_names_the_queue_type(run, name, q
     # is x-dead-letter-exchange, checked before x-queue-type; the line names
     # it and shows how to see the queue's type.
     assert_explains_the_redeclaration(line, "x-", queue_name)
-    assert re.search(r"'x-queue-type|x-dead-letter-exchange:", line)
+    assert re.search(r"\((x-queue-type|x-dead-letter-exchange): ", line)
     assert "rabbitmqctl list_queues name durable type arguments" in line
 
 
