@@ -1,0 +1,1052 @@
+#!/usr/bin/env python
+"""Measure the Work Queues scripts side by side with their baselines.
+
+    python bench/run.py [--quick] [--url URL] [--rst | --markdown] [--only NAME ...]
+
+Every figure is the median of several repetitions, and every comparison is
+against a baseline measured in the same run, in interleaved order, on the
+same broker: the machine is shared and noisy, so only ratios mean anything.
+Timings never fail the run. The exit status is 1 only when something is
+broken: a script missing or exiting non-zero, a task lost or duplicated, a
+queue left in an unexpected state, a run that stalls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import itertools
+import json
+import os
+import platform
+import shlex
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+import aiormq
+from pamqp.commands import Basic
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+PY = sys.executable
+DEFAULT_URL = "amqp://guest:guest@localhost:5672/"
+# Without progress for this long a measurement is declared stalled (broken).
+STALL_SECONDS = 30.0
+
+
+class Broken(Exception):
+    """Something is wrong beyond slowness: the run must exit non-zero."""
+
+
+# --------------------------------------------------------------------------
+# Results
+
+
+@dataclass
+class Row:
+    figure: str
+    unit: str
+    ours: float | None
+    baseline_name: str
+    baseline: float | None
+    # ">=" when bigger is better (rates), "<=" when smaller is (times, memory).
+    op: str = ">="
+    target: float | None = None
+    ours_samples: list[float] = field(default_factory=list)
+    baseline_samples: list[float] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        if self.ours is None or not self.baseline:
+            return None
+        return self.ours / self.baseline
+
+    @property
+    def met(self) -> bool | None:
+        if self.target is None or self.ratio is None:
+            return None
+        return self.ratio >= self.target if self.op == ">=" else self.ratio <= self.target
+
+
+def fmt_value(value: float | None, unit: str) -> str:
+    if value is None:
+        return "n/a"
+    if unit == "tasks/s":
+        return f"{value:,.0f} tasks/s"
+    if unit == "ms":
+        return f"{value:.0f} ms"
+    if unit == "s":
+        return f"{value:.2f} s"
+    if unit == "MiB":
+        return f"{value:.1f} MiB"
+    return f"{value:.3g} {unit}"
+
+
+def fmt_ratio(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:,.0f}x" if value >= 100 else f"{value:.2f}x"
+
+
+def table_cells(rows: Sequence[Row]) -> tuple[list[str], list[list[str]]]:
+    header = ["figure", "ours", "baseline", "ratio", "target", "met?"]
+    body = []
+    for row in rows:
+        target = "—" if row.target is None else f"{row.op} {fmt_ratio(row.target)}"
+        met = {True: "yes", False: "NO", None: "—"}[row.met]
+        body.append(
+            [
+                row.figure,
+                fmt_value(row.ours, row.unit),
+                f"{row.baseline_name}: {fmt_value(row.baseline, row.unit)}",
+                fmt_ratio(row.ratio),
+                target,
+                met,
+            ]
+        )
+    return header, body
+
+
+def render_text(rows: Sequence[Row]) -> str:
+    header, body = table_cells(rows)
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(header, widths, strict=True)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in body]
+    return "\n".join(lines)
+
+
+def render_markdown(rows: Sequence[Row]) -> str:
+    header, body = table_cells(rows)
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in body]
+    return "\n".join(lines)
+
+
+def render_rst(rows: Sequence[Row]) -> str:
+    """A grid table: docutils accepts any cell text in it."""
+    header, body = table_cells(rows)
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+
+    def rule(char: str) -> str:
+        return "+" + "+".join(char * (w + 2) for w in widths) + "+"
+
+    def line(cells: list[str]) -> str:
+        return "|" + "|".join(f" {c.ljust(w)} " for c, w in zip(cells, widths, strict=True)) + "|"
+
+    out = [rule("-"), line(header), rule("=")]
+    for r in body:
+        out += [line(r), rule("-")]
+    return "\n".join(out)
+
+
+def machine_summary(broker_version: str) -> str:
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for text in Path("/proc/cpuinfo").read_text().splitlines():
+            if text.startswith("model name"):
+                cpu = text.split(":", 1)[1].strip()
+                break
+    return (
+        f"{os.cpu_count()} cores ({cpu}), Linux {platform.release()}, Python {platform.python_version()}, "
+        f"RabbitMQ {broker_version} on the same machine"
+    )
+
+
+def report(rows: Sequence[Row], style: str, command: str, broker_version: str, wall: float) -> str:
+    today = datetime.date.today().isoformat()
+    machine = machine_summary(broker_version)
+    if style == "rst":
+        title = "Performance"
+        return "\n".join(
+            [
+                title,
+                "-" * len(title),
+                "",
+                f"Measured {today} on a shared, noisy machine: {machine}. Each figure is the median of",
+                "several repetitions; each ratio compares with a baseline measured in the same run, so read",
+                "the ratios rather than the absolute numbers. Reproduce with::",
+                "",
+                f"    {command}",
+                "",
+                render_rst(rows),
+                "",
+                f"The whole run took {wall:.0f} s.",
+                "",
+            ]
+        )
+    if style == "markdown":
+        return "\n".join(
+            [
+                "## Performance",
+                "",
+                f"Measured {today} on {machine}; medians of repeated runs, ratios against baselines",
+                f"measured in the same run. Command: `{command}`",
+                "",
+                render_markdown(rows),
+                "",
+                f"The whole run took {wall:.0f} s.",
+                "",
+            ]
+        )
+    return "\n".join(
+        [f"{today}, {machine}", f"$ {command}", "", render_text(rows), "", f"wall time {wall:.1f} s", ""]
+    )
+
+
+# --------------------------------------------------------------------------
+# Broker side: the harness's own connection, for queues and pre-filling
+
+
+class Broker:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.connection: aiormq.abc.AbstractConnection | None = None
+        self.channel: aiormq.abc.AbstractChannel | None = None
+        self.version = "?"
+        self.queues: set[str] = set()
+
+    async def open(self) -> None:
+        self.connection = await aiormq.connect(self.url)
+        props = self.connection.server_properties or {}
+        version = props.get("version", "?")
+        self.version = version.decode() if isinstance(version, bytes) else str(version)
+        self.channel = await self.connection.channel(publisher_confirms=True)
+
+    async def ready_channel(self) -> aiormq.abc.AbstractChannel:
+        """The harness's channel, reopened if the shared broker cut it (others test there too)."""
+        if self.connection is None or self.connection.is_closed:
+            await self.open()
+        elif self.channel is None or self.channel.is_closed:
+            assert self.connection is not None
+            self.channel = await self.connection.channel(publisher_confirms=True)
+        assert self.channel is not None
+        return self.channel
+
+    async def call(self, method: str, *args: object, **kwargs: object) -> object:
+        """One idempotent channel method, tried once more on a fresh channel if the first was cut."""
+        for attempt in (1, 2):
+            channel = await self.ready_channel()
+            try:
+                return await getattr(channel, method)(*args, **kwargs)
+            except (aiormq.exceptions.ConnectionClosed, aiormq.exceptions.ChannelInvalidStateError):
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def close(self) -> None:
+        for name in list(self.queues):
+            with contextlib.suppress(Exception):
+                await self.delete(name)
+        if self.connection is not None:
+            await self.connection.close()
+
+    def new_queue(self, figure: str) -> str:
+        name = f"bench.{figure}.{uuid.uuid4().hex[:10]}"
+        # The worker creates "<queue>.failed" for its failure policy.
+        self.queues.update({name, f"{name}.failed"})
+        return name
+
+    async def declare(self, name: str) -> None:
+        await self.call("queue_declare", name, durable=True)
+
+    async def depth(self, name: str) -> int:
+        """Messages ready in the queue (unacked ones count once their consumer is gone)."""
+        ok = await self.call("queue_declare", name, passive=True)
+        assert isinstance(ok, aiormq.spec.Queue.DeclareOk)
+        return int(ok.message_count or 0)
+
+    async def delete(self, name: str) -> None:
+        for queue in (name, f"{name}.failed"):
+            self.queues.discard(queue)
+            await self.call("queue_delete", queue)
+
+    async def fill(self, name: str, bodies: Sequence[bytes], window: int = 256) -> None:
+        """Publish persistent messages with confirms, a bounded number in flight."""
+        channel = await self.ready_channel()
+        todo = iter(bodies)
+        refused = 0
+
+        async def lane() -> None:
+            nonlocal refused
+            for body in todo:
+                confirm = await channel.basic_publish(
+                    body, routing_key=name, properties=Basic.Properties(delivery_mode=2), mandatory=True
+                )
+                if not isinstance(confirm, Basic.Ack):
+                    refused += 1
+
+        await asyncio.gather(*(lane() for _ in range(window)))
+        if refused:
+            raise Broken(f"pre-filling {name}: {refused} messages not confirmed")
+
+
+# --------------------------------------------------------------------------
+# Child processes
+
+
+def rss_kib(pid: int) -> tuple[int, int]:
+    """(VmRSS, VmHWM) of a process, in KiB."""
+    values = {}
+    for text in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, rest = text.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            values[key] = int(rest.split()[0])
+    return values["VmRSS"], values["VmHWM"]
+
+
+class Child:
+    """A script run as a subprocess whose progress lines are timestamped as they arrive."""
+
+    running: ClassVar[set[Child]] = set()
+
+    def __init__(self, name: str, argv: list[str], on_done: Callable[[], None] | None = None) -> None:
+        self.name = name
+        self.argv = argv
+        self.on_done = on_done
+        self.proc: asyncio.subprocess.Process | None = None
+        self.started = 0.0
+        self.ready_at: float | None = None
+        self.first_received: float | None = None
+        self.last_done: float | None = None
+        self.received = 0
+        self.done = 0
+        self.last_progress = 0.0
+        self.stdout: list[bytes] = []
+        self.stderr = b""
+        self.rss_at: set[int] = set()
+        self.rss_samples: list[tuple[int, int, int]] = []
+        self._changed = asyncio.Event()
+        self._readers: list[asyncio.Task[None]] = []
+
+    async def start(self, stdin: int | object = asyncio.subprocess.DEVNULL) -> None:
+        self.started = self.last_progress = time.monotonic()
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.argv,
+            stdin=stdin,  # type: ignore[arg-type]
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        Child.running.add(self)
+        self._readers = [
+            asyncio.create_task(self._read_stdout()),
+            asyncio.create_task(self._read_stderr()),
+        ]
+
+    async def _read_stdout(self) -> None:
+        assert self.proc is not None
+        assert self.proc.stdout is not None
+        async for line in self.proc.stdout:
+            now = time.monotonic()
+            self.last_progress = now
+            if line.startswith(b" [x] Done"):
+                self.done += 1
+                self.last_done = now
+                if self.done in self.rss_at:
+                    with contextlib.suppress(OSError, KeyError):
+                        self.rss_samples.append((self.done, *rss_kib(self.proc.pid)))
+                if self.on_done is not None:
+                    self.on_done()
+            elif line.startswith(b" [x] Received"):
+                self.received += 1
+                if self.first_received is None:
+                    self.first_received = now
+            else:
+                if line.startswith(b" [*] Waiting") and self.ready_at is None:
+                    self.ready_at = now
+                self.stdout.append(line)
+            self._changed.set()
+        self._changed.set()
+
+    async def _read_stderr(self) -> None:
+        assert self.proc is not None
+        assert self.proc.stderr is not None
+        self.stderr = await self.proc.stderr.read()
+
+    def describe(self) -> str:
+        tail = self.stderr.decode(errors="replace").strip().splitlines()[-3:]
+        return f"{self.name} ({shlex.join(self.argv[1:])})" + (f": {' | '.join(tail)}" if tail else "")
+
+    async def wait_for(self, condition: Callable[[], bool], what: str) -> None:
+        """Wait until condition() holds; broken if the child exits first or stalls."""
+        assert self.proc is not None
+        while not condition():
+            self._changed.clear()
+            if self.proc.returncode is not None or self._readers[0].done():
+                await self.proc.wait()
+                raise Broken(f"{self.describe()} exited (status {self.proc.returncode}) before {what}")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout=1.0)
+            if time.monotonic() - self.last_progress > STALL_SECONDS:
+                raise Broken(f"{self.describe()} made no progress for {STALL_SECONDS:.0f} s before {what}")
+
+    async def wait_ready(self) -> None:
+        await self.wait_for(lambda: self.ready_at is not None, "it was ready")
+
+    async def wait_done(self, count: int) -> None:
+        await self.wait_for(lambda: self.done >= count, f"{count} tasks were done ({self.done} were)")
+
+    async def finish(self, limit: float = 60.0) -> int:
+        """Wait for a child that exits on its own; returns its exit status."""
+        assert self.proc is not None
+        try:
+            status = await asyncio.wait_for(self.proc.wait(), limit)
+        except TimeoutError:
+            self.kill()
+            raise Broken(f"{self.describe()} did not exit within {limit:.0f} s") from None
+        await asyncio.gather(*self._readers)
+        Child.running.discard(self)
+        return status
+
+    async def stop(self, signum: int = signal.SIGTERM, limit: float = 20.0) -> None:
+        """Signal a worker to stop; broken unless it exits 0 in time."""
+        assert self.proc is not None
+        if self.proc.returncode is None:
+            self.proc.send_signal(signum)
+        status = await self.finish(limit)
+        if status != 0:
+            raise Broken(f"{self.describe()} exited with status {status} after {signal.Signals(signum).name}")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()
+        Child.running.discard(self)
+
+
+class Group:
+    """Several workers on one queue, counted together."""
+
+    def __init__(self) -> None:
+        self.children: list[Child] = []
+        self.done = 0
+        self.changed = asyncio.Event()
+
+    def tick(self) -> None:
+        self.done += 1
+        self.changed.set()
+
+    def add(self, name: str, argv: list[str]) -> Child:
+        child = Child(name, argv, on_done=self.tick)
+        self.children.append(child)
+        return child
+
+    async def wait_done(self, count: int) -> None:
+        """Wait until the workers together did count tasks; broken if one exits or all stall."""
+        last, seen = time.monotonic(), self.done
+        while self.done < count:
+            self.changed.clear()
+            for child in self.children:
+                assert child.proc is not None
+                if child.proc.returncode is not None or child._readers[0].done():
+                    await child.proc.wait()
+                    raise Broken(f"{child.describe()} exited (status {child.proc.returncode}) too early")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), timeout=1.0)
+            if self.done != seen:
+                last, seen = time.monotonic(), self.done
+            elif time.monotonic() - last > STALL_SECONDS:
+                raise Broken(f"workers stalled at {self.done} of {count} tasks")
+
+
+# --------------------------------------------------------------------------
+# Measurements
+
+
+@dataclass
+class Settings:
+    url: str
+    quick: bool
+    ours_dir: Path
+    reps: int
+    oneshot_reps: int
+    dispatch_tasks: int
+    batch_tasks: int
+    dot_seconds: float
+    rss_tasks: int
+    rss_prefetch: int
+
+
+def ours(settings: Settings, script: str) -> str:
+    return str(settings.ours_dir / script)
+
+
+def bench(script: str) -> str:
+    return str(BENCH / script)
+
+
+def rotations(items: Sequence[str], reps: int) -> list[list[str]]:
+    """The contestants in a different order each repetition, so drift hits all alike."""
+    return [list(items[r % len(items) :]) + list(items[: r % len(items)]) for r in range(reps)]
+
+
+def log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def spread(values: Sequence[float], unit: str) -> str:
+    if not values:
+        return "-"
+    return (
+        f"median {fmt_value(median(values), unit)} "
+        f"(min {fmt_value(min(values), unit)}, max {fmt_value(max(values), unit)}, n={len(values)})"
+    )
+
+
+async def worker_drained(broker: Broker, child: Child, queue: str, expected: int) -> None:
+    """After a worker stopped: it did every task exactly once and the queue is empty."""
+    left = await broker.depth(queue)
+    if child.done != expected or left:
+        raise Broken(
+            f"{child.name}: {child.done} of {expected} tasks done, {left} left in the queue "
+            f"({child.received} deliveries seen)"
+        )
+
+
+async def dispatch_rate(broker: Broker, s: Settings) -> list[Row]:
+    """Zero-dot tasks through one worker at prefetch 1, the queue filled beforehand."""
+    n = s.dispatch_tasks
+    workers = {
+        "ours": (ours(s, "tasks_worker.py"), ["--prefetch", "1", "--dot-seconds", "0"]),
+        "aio-pika minimal": (bench("aiopika_min_consumer.py"), ["--prefetch", "1", "--dot-seconds", "0"]),
+        "pika tutorial": (bench("pika_worker.py"), ["--prefetch", "1", "--dot-seconds", "0"]),
+    }
+    bodies = [f"task {i}".encode() for i in range(n)]
+    rates: dict[str, list[float]] = {k: [] for k in workers}
+    for order in rotations(list(workers), s.reps):
+        for name in order:
+            script, extra = workers[name]
+            queue = broker.new_queue("dispatch")
+            await broker.declare(queue)
+            await broker.fill(queue, bodies)
+            child = Child(name, [PY, script, "--url", s.url, "--queue", queue, *extra])
+            await child.start()
+            await child.wait_done(n)
+            assert child.first_received is not None
+            assert child.last_done is not None
+            rates[name].append(n / max(child.last_done - child.first_received, 1e-9))
+            await child.stop()
+            await worker_drained(broker, child, queue, n)
+            await broker.delete(queue)
+    for name, values in rates.items():
+        log(f"  dispatch {name}: {spread(values, 'tasks/s')}")
+    figure = f"dispatch, 1 worker, prefetch 1, {n} zero-dot tasks"
+    mine = median(rates["ours"])
+    return [
+        Row(
+            figure,
+            "tasks/s",
+            mine,
+            "aio-pika minimal",
+            median(rates["aio-pika minimal"]),
+            ">=",
+            0.95,
+            rates["ours"],
+            rates["aio-pika minimal"],
+        ),
+        Row(
+            figure,
+            "tasks/s",
+            mine,
+            "pika tutorial",
+            median(rates["pika tutorial"]),
+            ">=",
+            1.0,
+            rates["ours"],
+            rates["pika tutorial"],
+        ),
+    ]
+
+
+async def run_producer(name: str, argv: list[str], stdin: object = asyncio.subprocess.DEVNULL) -> float:
+    """Wall time of one producer process, from spawn to exit; broken unless it exits 0."""
+    child = Child(name, argv)
+    started = time.perf_counter()
+    await child.start(stdin=stdin)
+    status = await child.finish()
+    elapsed = time.perf_counter() - started
+    if status != 0 or not any(line.startswith(b" [x] Sent") for line in child.stdout):
+        raise Broken(f"{child.describe()} exited with status {status} without ' [x] Sent'")
+    return elapsed
+
+
+async def oneshot_latency(broker: Broker, s: Settings, results: dict[str, object]) -> list[Row]:
+    """A fresh process that queues one task, start to exit."""
+    producers = {
+        "ours": [ours(s, "new_task.py")],
+        "pika + confirm": [bench("pika_new_task.py"), "--confirm"],
+        "pika tutorial": [bench("pika_new_task.py")],
+    }
+    if not s.quick:
+        producers["ours initial"] = [ours(s, "new_task_initial.py")]
+    queue = broker.new_queue("oneshot")
+    initial_queue = broker.new_queue("oneshot-initial")
+    await broker.declare(queue)
+    times: dict[str, list[float]] = {k: [] for k in producers}
+    for order in rotations(list(producers), s.oneshot_reps):
+        for name in order:
+            script, *extra = producers[name]
+            # new_task_initial.py declares a plain (non-durable) queue: give it its own.
+            target = initial_queue if name == "ours initial" else queue
+            argv = [PY, script, "--url", s.url, "--queue", target, *extra, "A", "task."]
+            times[name].append(1000 * await run_producer(name, argv))
+    expected = sum(len(times[k]) for k in producers if k != "ours initial")
+    if (got := await broker.depth(queue)) != expected:
+        raise Broken(f"one-shot producers: {got} tasks in the queue, {expected} sent")
+    if "ours initial" in producers and (got := await broker.depth(initial_queue)) != s.oneshot_reps:
+        raise Broken(f"new_task_initial.py: {got} tasks in the queue, {s.oneshot_reps} sent")
+    for q in (queue, initial_queue):
+        await broker.delete(q)
+    for name, values in times.items():
+        log(f"  one-shot {name}: {spread(values, 'ms')}")
+    results["oneshot_ours_ms"] = median(times["ours"])
+    rows = [
+        Row(
+            "one-shot enqueue: new process, 1 task, to exit",
+            "ms",
+            median(times["ours"]),
+            "pika + confirm",
+            median(times["pika + confirm"]),
+            "<=",
+            1.0,
+            times["ours"],
+            times["pika + confirm"],
+        ),
+        Row(
+            "one-shot enqueue: new process, 1 task, to exit",
+            "ms",
+            median(times["ours"]),
+            "pika tutorial (no confirm)",
+            median(times["pika tutorial"]),
+            "<=",
+            None,
+            times["ours"],
+            times["pika tutorial"],
+        ),
+    ]
+    if "ours initial" in times:
+        rows.append(
+            Row(
+                "one-shot enqueue, new_task_initial.py",
+                "ms",
+                median(times["ours initial"]),
+                "pika tutorial (no confirm)",
+                median(times["pika tutorial"]),
+                "<=",
+                None,
+                times["ours initial"],
+                times["pika tutorial"],
+            )
+        )
+    return rows
+
+
+async def batch_rate(broker: Broker, s: Settings, results: dict[str, object]) -> list[Row]:
+    """new_task.py --stdin: persistent, confirmed, one connection; whole process wall time."""
+    n = s.batch_tasks
+    producers = {
+        "ours": [ours(s, "new_task.py"), "--stdin"],
+        "aio-pika minimal": [bench("aiopika_min_producer.py")],
+        "aiormq raw": [bench("aiormq_publisher.py")],
+    }
+    rates: dict[str, list[float]] = {k: [] for k in producers}
+    with tempfile.TemporaryFile() as lines:
+        lines.write(b"".join(f"task {i} .\n".encode() for i in range(n)))
+        for order in rotations(list(producers), s.reps):
+            for name in order:
+                script, *extra = producers[name]
+                queue = broker.new_queue("batch")
+                await broker.declare(queue)
+                lines.seek(0)
+                argv = [PY, script, "--url", s.url, "--queue", queue, *extra]
+                rates[name].append(n / await run_producer(name, argv, stdin=lines))
+                if (got := await broker.depth(queue)) != n:
+                    raise Broken(f"{name} batch: {got} tasks in the queue, {n} sent")
+                await broker.delete(queue)
+    for name, values in rates.items():
+        log(f"  batch {name}: {spread(values, 'tasks/s')}")
+    figure = f"batch enqueue, --stdin, {n} tasks (process wall time)"
+    mine = median(rates["ours"])
+    rows = [
+        Row(
+            figure,
+            "tasks/s",
+            mine,
+            "aio-pika minimal",
+            median(rates["aio-pika minimal"]),
+            ">=",
+            1.0,
+            rates["ours"],
+            rates["aio-pika minimal"],
+        ),
+        Row(
+            figure,
+            "tasks/s",
+            mine,
+            "aiormq raw",
+            median(rates["aiormq raw"]),
+            ">=",
+            0.9,
+            rates["ours"],
+            rates["aiormq raw"],
+        ),
+    ]
+    one_ms = results.get("oneshot_ours_ms")
+    if isinstance(one_ms, float):
+        per_process = 1000 / one_ms
+        rows.append(
+            Row(figure, "tasks/s", mine, "one process per task", per_process, ">=", 1000.0, rates["ours"])
+        )
+    return rows
+
+
+def ideal_two_workers(durations: Sequence[float]) -> float:
+    """The best makespan of these tasks on two workers: the most even split, by brute force."""
+    total = sum(durations)
+    best = total
+    for picks in itertools.product((0, 1), repeat=len(durations) - 1):
+        # The last task is pinned to worker 0: the mirror splits are the same.
+        load = sum(d for d, p in zip(durations, (*picks, 0), strict=True) if p)
+        best = min(best, max(load, total - load))
+    return best
+
+
+def odd_even_tasks() -> list[bytes]:
+    """The tutorial's unlucky case: every odd task heavy (4 dots), every even one light (1 dot)."""
+    return [f"Task {i} {'....' if i % 2 else '.'}".encode() for i in range(1, 13)]
+
+
+async def makespan_runs(
+    broker: Broker, s: Settings, figure: str, workers: list[tuple[str, list[str]]], bodies: list[bytes]
+) -> list[float]:
+    """Start the workers, then per repetition publish the tasks and time until the last is done."""
+    queue = broker.new_queue(figure)
+    await broker.declare(queue)
+    group = Group()
+    children = [
+        group.add(name, [PY, argv[0], "--url", s.url, "--queue", queue, *argv[1:]]) for name, argv in workers
+    ]
+    spans = []
+    try:
+        for child in children:
+            await child.start()
+        for child in children:
+            await child.wait_ready()
+        # A robust consumer may print its banner a moment before basic.consume-ok.
+        await asyncio.sleep(0.2)
+        for rep in range(s.reps):
+            started = time.monotonic()
+            await broker.fill(queue, bodies)
+            await group.wait_done(len(bodies) * (rep + 1))
+            spans.append(max(c.last_done or 0.0 for c in children) - started)
+        for child in children:
+            await child.stop()
+    finally:
+        for child in children:
+            child.kill()
+    if group.done != len(bodies) * s.reps or (left := await broker.depth(queue)):
+        raise Broken(f"{figure}: {group.done} of {len(bodies) * s.reps} tasks done, {left} left")
+    await broker.delete(queue)
+    return spans
+
+
+async def fair_dispatch(broker: Broker, s: Settings) -> list[Row]:
+    bodies = odd_even_tasks()
+    d = s.dot_seconds
+    ideal = ideal_two_workers([body.count(b".") * d for body in bodies])
+    common = ["--dot-seconds", str(d)]
+    ours_spans = await makespan_runs(
+        broker,
+        s,
+        "oddeven",
+        [
+            ("ours A", [ours(s, "tasks_worker.py"), "--prefetch", "1", *common]),
+            ("ours B", [ours(s, "tasks_worker.py"), "--prefetch", "1", *common]),
+        ],
+        bodies,
+    )
+    # Round-robin: the tutorial's worker before basic.qos, one task at a time, no prefetch limit.
+    rr_spans = await makespan_runs(
+        broker,
+        s,
+        "oddeven-rr",
+        [
+            ("pika A", [bench("pika_worker.py"), "--prefetch", "0", *common]),
+            ("pika B", [bench("pika_worker.py"), "--prefetch", "0", *common]),
+        ],
+        bodies,
+    )
+    log(f"  odd/even ours prefetch 1: {spread(ours_spans, 's')}; ideal {ideal:.2f} s")
+    log(f"  odd/even round-robin: {spread(rr_spans, 's')}")
+    figure = f"makespan, odd heavy/even light, 2 workers, prefetch 1, --dot-seconds {d:g}"
+    return [
+        Row(figure, "s", median(ours_spans), "best schedule (computed)", ideal, "<=", 1.1, ours_spans),
+        Row(
+            figure,
+            "s",
+            median(ours_spans),
+            "round-robin (pika, no prefetch limit)",
+            median(rr_spans),
+            "<=",
+            None,
+            ours_spans,
+            rr_spans,
+        ),
+    ]
+
+
+async def prefetch_concurrency(broker: Broker, s: Settings) -> list[Row]:
+    d = s.dot_seconds
+    bodies = [f"Task {i} .".encode() for i in range(100)]
+    ideal = 100 * d / 10
+    spans = await makespan_runs(
+        broker,
+        s,
+        "prefetch10",
+        [("ours", [ours(s, "tasks_worker.py"), "--prefetch", "10", "--dot-seconds", str(d)])],
+        bodies,
+    )
+    base = await makespan_runs(
+        broker,
+        s,
+        "prefetch10-min",
+        [
+            (
+                "aio-pika minimal",
+                [bench("aiopika_min_consumer.py"), "--prefetch", "10", "--dot-seconds", str(d)],
+            )
+        ],
+        bodies,
+    )
+    log(f"  prefetch 10 ours: {spread(spans, 's')}; minimal {spread(base, 's')}; ideal {ideal:.2f} s")
+    figure = f"makespan, 100 one-dot tasks, 1 worker, prefetch 10, --dot-seconds {d:g}"
+    return [
+        Row(figure, "s", median(spans), "ideal (10 dot-seconds)", ideal, "<=", 1.1, spans),
+        Row(figure, "s", median(spans), "aio-pika minimal", median(base), "<=", None, spans, base),
+    ]
+
+
+async def memory(broker: Broker, s: Settings) -> list[Row]:
+    """Worker RSS while it works through many zero-dot tasks, sampled at checkpoints."""
+    n = s.rss_tasks
+    checkpoints = sorted({max(1, n * k // 20) for k in range(1, 21)})
+    found: dict[str, list[tuple[int, int, int]]] = {}
+    workers = {
+        "ours": ours(s, "tasks_worker.py"),
+        "aio-pika minimal": bench("aiopika_min_consumer.py"),
+    }
+    for name, script in workers.items():
+        queue = broker.new_queue("rss")
+        await broker.declare(queue)
+        child = Child(
+            name,
+            [
+                PY,
+                script,
+                "--url",
+                s.url,
+                "--queue",
+                queue,
+                "--prefetch",
+                str(s.rss_prefetch),
+                "--dot-seconds",
+                "0",
+            ],
+        )
+        child.rss_at = set(checkpoints)
+        await child.start()
+        await child.wait_ready()
+        # Publish while the worker consumes: the broker's queue stays short.
+        chunk = 5000
+        for first in range(0, n, chunk):
+            await broker.fill(queue, [f"task {i}".encode() for i in range(first, min(n, first + chunk))])
+        await child.wait_done(n)
+        await asyncio.sleep(0.1)
+        assert child.proc is not None
+        child.rss_samples.append((n, *rss_kib(child.proc.pid)))
+        await child.stop()
+        await worker_drained(broker, child, queue, n)
+        await broker.delete(queue)
+        found[name] = child.rss_samples
+        log(f"  rss {name}: " + ", ".join(f"{d}:{r / 1024:.1f}" for d, r, _ in child.rss_samples) + " MiB")
+    mine = found["ours"]
+    # "Flat": the resident set at the end against the one after the first 10 % of the tasks.
+    early = next(r for d, r, _ in mine if d >= n // 10)
+    end_rss, end_hwm = mine[-1][1], mine[-1][2]
+    base_hwm = found["aio-pika minimal"][-1][2]
+    return [
+        Row(
+            f"worker RSS after {n:,} tasks vs after {n // 10:,} (prefetch {s.rss_prefetch})",
+            "MiB",
+            end_rss / 1024,
+            f"after {n // 10:,}",
+            early / 1024,
+            "<=",
+            1.05,
+        ),
+        Row(
+            f"worker peak RSS (VmHWM) after {n:,} tasks",
+            "MiB",
+            end_hwm / 1024,
+            "aio-pika minimal",
+            base_hwm / 1024,
+            "<=",
+            None,
+        ),
+    ]
+
+
+FIGURES: dict[str, Callable[..., Awaitable[list[Row]]]] = {
+    "dispatch": dispatch_rate,
+    "oneshot": oneshot_latency,
+    "batch": batch_rate,
+    "fair": fair_dispatch,
+    "prefetch": prefetch_concurrency,
+    "memory": memory,
+}
+NEEDS_RESULTS = {"oneshot", "batch"}
+
+
+async def run(args: argparse.Namespace, settings: Settings) -> tuple[list[Row], list[str], list[str], str]:
+    broker = Broker(settings.url)
+    try:
+        await broker.open()
+    except Exception as error:
+        raise Broken(f"cannot reach the broker at {settings.url}: {error}") from None
+    rows: list[Row] = []
+    problems: list[str] = []
+    retried: list[str] = []
+    results: dict[str, object] = {}
+    try:
+        for name in args.only or list(FIGURES):
+            started = time.monotonic()
+            log(f"{name} ...")
+            for attempt in (1, 2):
+                try:
+                    if name in NEEDS_RESULTS:
+                        rows += await FIGURES[name](broker, settings, results)
+                    else:
+                        rows += await FIGURES[name](broker, settings)
+                    break
+                except Exception as error:
+                    text = str(error) if isinstance(error, Broken) else f"{type(error).__name__}: {error}"
+                    log(f"  BROKEN (attempt {attempt}): {text}")
+                    if attempt == 1:
+                        # The broker is shared: another session's test may have cut our
+                        # connections. A figure broken twice in a row is a real problem.
+                        retried.append(f"{name}: {text}")
+                    else:
+                        problems.append(f"{name}: {text}")
+                finally:
+                    for child in list(Child.running):
+                        child.kill()
+            log(f"  ({time.monotonic() - started:.1f} s)")
+    finally:
+        await broker.close()
+    return rows, problems, retried, broker.version
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--url",
+        default=os.environ.get("AMQP_URL", DEFAULT_URL),
+        help="broker to measure against (default: $AMQP_URL, else %(default)s)",
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions and tasks: under a minute")
+    style = parser.add_mutually_exclusive_group()
+    style.add_argument(
+        "--rst",
+        action="store_const",
+        dest="style",
+        const="rst",
+        help="print a reStructuredText 'Performance' section for the README",
+    )
+    style.add_argument(
+        "--markdown", action="store_const", dest="style", const="markdown", help="print the table as Markdown"
+    )
+    parser.add_argument(
+        "--only", action="append", choices=list(FIGURES), help="measure only this figure (repeatable)"
+    )
+    parser.add_argument(
+        "--ours-dir",
+        type=Path,
+        default=ROOT,
+        help="where new_task.py, new_task_initial.py and tasks_worker.py are (default: the repository root)",
+    )
+    parser.add_argument("--json", type=Path, help="also write every sample to this file")
+    parser.add_argument("--reps", type=int, help="repetitions per figure (default: 3 quick, 7 full)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    quick = args.quick
+    settings = Settings(
+        url=args.url,
+        quick=quick,
+        ours_dir=args.ours_dir.resolve(),
+        reps=args.reps or (3 if quick else 7),
+        oneshot_reps=(args.reps or 0) * 2 or (5 if quick else 15),
+        dispatch_tasks=1500 if quick else 5000,
+        batch_tasks=5000 if quick else 20000,
+        dot_seconds=0.05 if quick else 0.1,
+        rss_tasks=10_000 if quick else 100_000,
+        rss_prefetch=10,
+    )
+    started = time.monotonic()
+    try:
+        rows, problems, retried, version = asyncio.run(run(args, settings))
+    except Broken as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        for child in list(Child.running):
+            child.kill()
+        return 130
+    wall = time.monotonic() - started
+    shown = ["python", "bench/run.py"] + (["--quick"] if quick else [])
+    if args.url != DEFAULT_URL:
+        shown += ["--url", "URL"]
+    print(report(rows, args.style or "text", shlex.join(shown), version, wall))
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "wall_seconds": wall,
+                    "settings": {**asdict(settings), "ours_dir": str(settings.ours_dir)},
+                    "rows": [{**asdict(r), "ratio": r.ratio, "met": r.met} for r in rows],
+                    "problems": problems,
+                    "retried": retried,
+                },
+                indent=2,
+            )
+        )
+    missed = [f"{r.figure} vs {r.baseline_name}" for r in rows if r.met is False]
+    for text in missed:
+        print(f"target missed: {text}", file=sys.stderr)
+    for text in retried:
+        print(f"retried once after: {text}", file=sys.stderr)
+    for text in problems:
+        print(f"BROKEN: {text}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
