@@ -201,8 +201,8 @@ async def publish_tasks(
             failure = f"returned by the broker: {error.args[0]}"
         except DeliveryError:
             failure = "refused by the broker (nack)"
-        except (AMQPError, ChannelInvalidStateError, ConnectionError) as error:
-            failure = f"connection lost: {error or type(error).__name__}"
+        except (AMQPError, ChannelInvalidStateError, ConnectionError):
+            failure = "the connection was lost"
         finally:
             window.release()
             if failure:

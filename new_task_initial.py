@@ -172,8 +172,8 @@ async def publish_tasks(
         try:
             await channel.default_exchange.publish(aio_pika.Message(body), routing_key=queue)
             failure = ""
-        except (AMQPError, ChannelInvalidStateError, ConnectionError) as error:
-            failure = f"connection lost: {error or type(error).__name__}"
+        except (AMQPError, ChannelInvalidStateError, ConnectionError):
+            failure = "the connection was lost"
         finally:
             window.release()
             if failure:

@@ -168,8 +168,12 @@ def script_env(broker_url: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def start(script_env: dict[str, str]) -> Iterator[Callable[..., Script]]:
-    """Start a script the way a reader does in a shell; every one is stopped after the test."""
+def start(script_env: dict[str, str], queue_name: str) -> Iterator[Callable[..., Script]]:
+    """Start a script the way a reader does in a shell; every one is stopped after the test.
+
+    It depends on queue_name so that the scripts stop before the queue is deleted:
+    a worker still running would declare it again.
+    """
     started: list[Script] = []
 
     def _start(

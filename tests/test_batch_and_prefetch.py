@@ -251,3 +251,61 @@ def test_unacked_tasks_are_all_redelivered_after_kill_with_prefetch(
     messages = asyncio.run(drain(broker_url, queue_name))
     assert sorted(message.body for message in messages) == sorted(tasks.splitlines())
     assert all(message.redelivered for message in messages)
+
+
+def close_connection_named(name: str) -> None:
+    """Close, from the broker's side, the client connection that calls itself `name`."""
+    listing = subprocess.run(
+        ["rabbitmqctl", "-q", "--no-table-headers", "list_connections", "pid", "client_properties"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    pids = [line.split("\t")[0] for line in listing.splitlines() if name in line]
+    assert len(pids) == 1, listing
+    rabbitmqctl("close_connection", pids[0], "test: connection cut mid-batch")
+
+
+@pytest.mark.parametrize("script", ["new_task.py", "new_task_initial.py"])
+def test_stdin_batch_reports_every_line_not_sent_when_the_connection_drops(
+    script_env, broker_url, queue_name, script
+):
+    # The broker cuts the producer off between two lines. Nothing may vanish:
+    # every line is either in the queue or named on stderr.
+    name = f"{queue_name}-producer"
+    env = {**script_env, "AMQP_URL": f"{broker_url.rstrip('/')}/?name={name}"}
+    producer = subprocess.Popen(
+        [sys.executable, str(ROOT / script), "--queue", queue_name, "--stdin"],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert producer.stdin is not None
+        producer.stdin.write(b"line 1\nline 2\n")
+        producer.stdin.flush()
+        eventually(
+            lambda: asyncio.run(depth_or_none(broker_url, queue_name)) == 2,
+            timeout=20,
+            what="lines 1 and 2 queued",
+        )
+        close_connection_named(name)
+        stdout, stderr = producer.communicate(b"line 3\nline 4\n", timeout=30)
+    finally:
+        if producer.poll() is None:
+            producer.kill()
+            producer.wait()
+    assert producer.returncode == 1, (stdout, stderr)
+    assert b" [x] Sent" not in stdout
+    queued = [message.body for message in asyncio.run(drain(broker_url, queue_name))]
+    assert queued == [b"line 1", b"line 2"]
+    errors = stderr.decode().splitlines()
+    assert [
+        re.match(r"error: (line \d) not sent \(the connection was lost\): ", error)[1] for error in errors
+    ] == [
+        "line 3",
+        "line 4",
+    ], errors
