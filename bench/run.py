@@ -21,6 +21,7 @@ import itertools
 import json
 import os
 import platform
+import resource
 import shlex
 import signal
 import statistics
@@ -64,12 +65,18 @@ class Row:
     target: float | None = None
     ours_samples: list[float] = field(default_factory=list)
     baseline_samples: list[float] = field(default_factory=list)
-    note: str = ""
+    # Paired: sample i of ours and of the baseline come from the same repetition,
+    # one right after the other, so each pair saw much the same machine load.
+    paired: bool = False
 
     @property
     def ratio(self) -> float | None:
+        """Ours over the baseline; when paired, the median of the per-repetition ratios."""
         if self.ours is None or not self.baseline:
             return None
+        if self.paired and self.ours_samples and len(self.ours_samples) == len(self.baseline_samples):
+            pairs = zip(self.ours_samples, self.baseline_samples, strict=True)
+            return statistics.median(o / b for o, b in pairs)
         return self.ours / self.baseline
 
     @property
@@ -88,6 +95,8 @@ def fmt_value(value: float | None, unit: str) -> str:
         return f"{value:.0f} ms"
     if unit == "s":
         return f"{value:.2f} s"
+    if unit == "us":
+        return f"{value:.0f} µs"
     if unit == "MiB":
         return f"{value:.1f} MiB"
     return f"{value:.3g} {unit}"
@@ -469,6 +478,8 @@ class Settings:
     quick: bool
     ours_dir: Path
     reps: int
+    # Repetitions of what is informative only (round-robin, baseline makespans).
+    side_reps: int
     oneshot_reps: int
     dispatch_tasks: int
     batch_tasks: int
@@ -507,6 +518,30 @@ def spread(values: Sequence[float], unit: str) -> str:
     )
 
 
+def compare(
+    figure: str,
+    unit: str,
+    samples: dict[str, list[float]],
+    baseline: str,
+    op: str,
+    target: float | None,
+    mine: str = "ours",
+) -> Row:
+    """A row of ours against a baseline measured in the same interleaved repetitions."""
+    return Row(
+        figure=figure,
+        unit=unit,
+        ours=median(samples[mine]),
+        baseline_name=baseline,
+        baseline=median(samples[baseline]),
+        op=op,
+        target=target,
+        ours_samples=samples[mine],
+        baseline_samples=samples[baseline],
+        paired=True,
+    )
+
+
 async def worker_drained(broker: Broker, child: Child, queue: str, expected: int) -> None:
     """After a worker stopped: it did every task exactly once and the queue is empty."""
     left = await broker.depth(queue)
@@ -518,22 +553,37 @@ async def worker_drained(broker: Broker, child: Child, queue: str, expected: int
 
 
 async def dispatch_rate(broker: Broker, s: Settings) -> list[Row]:
-    """Zero-dot tasks through one worker at prefetch 1, the queue filled beforehand."""
+    """Zero-dot tasks through one worker at prefetch 1, the queue filled beforehand.
+
+    The clock runs from the first " [x] Received" to the last " [x] Done", so
+    interpreter start-up and connecting are left out: this is the steady rate.
+    """
     n = s.dispatch_tasks
     workers = {
-        "ours": (ours(s, "tasks_worker.py"), ["--prefetch", "1", "--dot-seconds", "0"]),
-        "aio-pika minimal": (bench("aiopika_min_consumer.py"), ["--prefetch", "1", "--dot-seconds", "0"]),
-        "pika tutorial": (bench("pika_worker.py"), ["--prefetch", "1", "--dot-seconds", "0"]),
+        "ours": ours(s, "tasks_worker.py"),
+        "aio-pika minimal": bench("aiopika_min_consumer.py"),
+        "pika tutorial": bench("pika_worker.py"),
     }
     bodies = [f"task {i}".encode() for i in range(n)]
     rates: dict[str, list[float]] = {k: [] for k in workers}
     for order in rotations(list(workers), s.reps):
         for name in order:
-            script, extra = workers[name]
             queue = broker.new_queue("dispatch")
             await broker.declare(queue)
             await broker.fill(queue, bodies)
-            child = Child(name, [PY, script, "--url", s.url, "--queue", queue, *extra])
+            argv = [
+                PY,
+                workers[name],
+                "--url",
+                s.url,
+                "--queue",
+                queue,
+                "--prefetch",
+                "1",
+                "--dot-seconds",
+                "0",
+            ]
+            child = Child(name, argv)
             await child.start()
             await child.wait_done(n)
             assert child.first_received is not None
@@ -544,66 +594,64 @@ async def dispatch_rate(broker: Broker, s: Settings) -> list[Row]:
             await broker.delete(queue)
     for name, values in rates.items():
         log(f"  dispatch {name}: {spread(values, 'tasks/s')}")
-    figure = f"dispatch, 1 worker, prefetch 1, {n} zero-dot tasks"
-    mine = median(rates["ours"])
+    figure = f"dispatch rate, 1 worker, prefetch 1, {n} zero-dot tasks"
     return [
-        Row(
-            figure,
-            "tasks/s",
-            mine,
-            "aio-pika minimal",
-            median(rates["aio-pika minimal"]),
-            ">=",
-            0.95,
-            rates["ours"],
-            rates["aio-pika minimal"],
-        ),
-        Row(
-            figure,
-            "tasks/s",
-            mine,
-            "pika tutorial",
-            median(rates["pika tutorial"]),
-            ">=",
-            1.0,
-            rates["ours"],
-            rates["pika tutorial"],
-        ),
+        compare(figure, "tasks/s", rates, "aio-pika minimal", ">=", 0.95),
+        compare(figure, "tasks/s", rates, "pika tutorial", ">=", 1.0),
     ]
 
 
-async def run_producer(name: str, argv: list[str], stdin: object = asyncio.subprocess.DEVNULL) -> float:
-    """Wall time of one producer process, from spawn to exit; broken unless it exits 0."""
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def run_producer(
+    name: str, argv: list[str], stdin: object = asyncio.subprocess.DEVNULL
+) -> tuple[float, float]:
+    """Wall and CPU seconds of one producer process, spawn to exit; broken unless it exits 0.
+
+    The CPU time is that of the children reaped meanwhile: exact as long as
+    this is the only child running, as it is in the producer figures.
+    """
     child = Child(name, argv)
+    cpu = children_cpu()
     started = time.perf_counter()
     await child.start(stdin=stdin)
     status = await child.finish()
     elapsed = time.perf_counter() - started
     if status != 0 or not any(line.startswith(b" [x] Sent") for line in child.stdout):
         raise Broken(f"{child.describe()} exited with status {status} without ' [x] Sent'")
-    return elapsed
+    return elapsed, children_cpu() - cpu
 
 
 async def oneshot_latency(broker: Broker, s: Settings, results: dict[str, object]) -> list[Row]:
-    """A fresh process that queues one task, start to exit."""
+    """A fresh process that queues one task: spawn to exit."""
     producers = {
-        "ours": [ours(s, "new_task.py")],
-        "pika + confirm": [bench("pika_new_task.py"), "--confirm"],
-        "pika tutorial": [bench("pika_new_task.py")],
+        "ours": [ours(s, "new_task.py"), "A", "task."],
+        "pika + confirm": [bench("pika_new_task.py"), "--confirm", "A", "task."],
+        "pika tutorial": [bench("pika_new_task.py"), "A", "task."],
+        # The same task as one line on stdin: the aio-pika floor for
+        # import, connect, declare, publish, confirm, close.
+        "aio-pika minimal": [bench("aiopika_min_producer.py")],
     }
     if not s.quick:
-        producers["ours initial"] = [ours(s, "new_task_initial.py")]
+        producers["ours initial"] = [ours(s, "new_task_initial.py"), "A", "task."]
     queue = broker.new_queue("oneshot")
     initial_queue = broker.new_queue("oneshot-initial")
     await broker.declare(queue)
     times: dict[str, list[float]] = {k: [] for k in producers}
-    for order in rotations(list(producers), s.oneshot_reps):
-        for name in order:
-            script, *extra = producers[name]
-            # new_task_initial.py declares a plain (non-durable) queue: give it its own.
-            target = initial_queue if name == "ours initial" else queue
-            argv = [PY, script, "--url", s.url, "--queue", target, *extra, "A", "task."]
-            times[name].append(1000 * await run_producer(name, argv))
+    with tempfile.TemporaryFile() as one_line:
+        one_line.write(b"A task.\n")
+        for order in rotations(list(producers), s.oneshot_reps):
+            for name in order:
+                script, *extra = producers[name]
+                # new_task_initial.py declares a plain (non-durable) queue: it gets its own.
+                target = initial_queue if name == "ours initial" else queue
+                one_line.seek(0)
+                argv = [PY, script, "--url", s.url, "--queue", target, *extra]
+                elapsed, _ = await run_producer(name, argv, stdin=one_line)
+                times[name].append(1000 * elapsed)
     expected = sum(len(times[k]) for k in producers if k != "ours initial")
     if (got := await broker.depth(queue)) != expected:
         raise Broken(f"one-shot producers: {got} tasks in the queue, {expected} sent")
@@ -614,49 +662,20 @@ async def oneshot_latency(broker: Broker, s: Settings, results: dict[str, object
     for name, values in times.items():
         log(f"  one-shot {name}: {spread(values, 'ms')}")
     results["oneshot_ours_ms"] = median(times["ours"])
+    figure = "one-shot enqueue, new process, 1 task, spawn to exit"
     rows = [
-        Row(
-            "one-shot enqueue: new process, 1 task, to exit",
-            "ms",
-            median(times["ours"]),
-            "pika + confirm",
-            median(times["pika + confirm"]),
-            "<=",
-            1.0,
-            times["ours"],
-            times["pika + confirm"],
-        ),
-        Row(
-            "one-shot enqueue: new process, 1 task, to exit",
-            "ms",
-            median(times["ours"]),
-            "pika tutorial (no confirm)",
-            median(times["pika tutorial"]),
-            "<=",
-            None,
-            times["ours"],
-            times["pika tutorial"],
-        ),
+        compare(figure, "ms", times, "pika + confirm", "<=", 1.0),
+        compare(figure, "ms", times, "pika tutorial", "<=", None),
+        compare(figure, "ms", times, "aio-pika minimal", "<=", None),
     ]
     if "ours initial" in times:
-        rows.append(
-            Row(
-                "one-shot enqueue, new_task_initial.py",
-                "ms",
-                median(times["ours initial"]),
-                "pika tutorial (no confirm)",
-                median(times["pika tutorial"]),
-                "<=",
-                None,
-                times["ours initial"],
-                times["pika tutorial"],
-            )
-        )
+        figure = "one-shot enqueue, new_task_initial.py"
+        rows.append(compare(figure, "ms", times, "pika tutorial", "<=", None, mine="ours initial"))
     return rows
 
 
 async def batch_rate(broker: Broker, s: Settings, results: dict[str, object]) -> list[Row]:
-    """new_task.py --stdin: persistent, confirmed, one connection; whole process wall time."""
+    """new_task.py --stdin: persistent, confirmed, one connection; whole process, spawn to exit."""
     n = s.batch_tasks
     producers = {
         "ours": [ours(s, "new_task.py"), "--stdin"],
@@ -664,6 +683,7 @@ async def batch_rate(broker: Broker, s: Settings, results: dict[str, object]) ->
         "aiormq raw": [bench("aiormq_publisher.py")],
     }
     rates: dict[str, list[float]] = {k: [] for k in producers}
+    cpu: dict[str, list[float]] = {k: [] for k in producers}
     with tempfile.TemporaryFile() as lines:
         lines.write(b"".join(f"task {i} .\n".encode() for i in range(n)))
         for order in rotations(list(producers), s.reps):
@@ -673,44 +693,40 @@ async def batch_rate(broker: Broker, s: Settings, results: dict[str, object]) ->
                 await broker.declare(queue)
                 lines.seek(0)
                 argv = [PY, script, "--url", s.url, "--queue", queue, *extra]
-                rates[name].append(n / await run_producer(name, argv, stdin=lines))
+                elapsed, used = await run_producer(name, argv, stdin=lines)
+                rates[name].append(n / elapsed)
+                cpu[name].append(1e6 * used / n)
                 if (got := await broker.depth(queue)) != n:
                     raise Broken(f"{name} batch: {got} tasks in the queue, {n} sent")
                 await broker.delete(queue)
     for name, values in rates.items():
-        log(f"  batch {name}: {spread(values, 'tasks/s')}")
-    figure = f"batch enqueue, --stdin, {n} tasks (process wall time)"
-    mine = median(rates["ours"])
+        log(f"  batch {name}: {spread(values, 'tasks/s')}; CPU per task {spread(cpu[name], 'us')}")
+    figure = f"batch enqueue, --stdin, {n:,} tasks, spawn to exit"
     rows = [
-        Row(
-            figure,
-            "tasks/s",
-            mine,
-            "aio-pika minimal",
-            median(rates["aio-pika minimal"]),
-            ">=",
-            1.0,
-            rates["ours"],
-            rates["aio-pika minimal"],
-        ),
-        Row(
-            figure,
-            "tasks/s",
-            mine,
-            "aiormq raw",
-            median(rates["aiormq raw"]),
-            ">=",
-            0.9,
-            rates["ours"],
-            rates["aiormq raw"],
-        ),
+        compare(figure, "tasks/s", rates, "aio-pika minimal", ">=", 1.0),
+        compare(figure, "tasks/s", rates, "aiormq raw", ">=", 0.9),
     ]
     one_ms = results.get("oneshot_ours_ms")
     if isinstance(one_ms, float):
-        per_process = 1000 / one_ms
         rows.append(
-            Row(figure, "tasks/s", mine, "one process per task", per_process, ">=", 1000.0, rates["ours"])
+            Row(
+                figure=figure,
+                unit="tasks/s",
+                ours=median(rates["ours"]),
+                baseline_name="one new_task.py process per task",
+                baseline=1000 / one_ms,
+                op=">=",
+                target=1000.0,
+                ours_samples=rates["ours"],
+            )
         )
+    # The producer's own CPU per task: less at the mercy of the shared broker's
+    # disk than the rate, so it shows what the script itself costs.
+    figure = "batch enqueue, producer CPU (user+sys) per task"
+    rows += [
+        compare(figure, "us", cpu, "aio-pika minimal", "<=", None),
+        compare(figure, "us", cpu, "aiormq raw", "<=", None),
+    ]
     return rows
 
 
@@ -719,7 +735,7 @@ def ideal_two_workers(durations: Sequence[float]) -> float:
     total = sum(durations)
     best = total
     for picks in itertools.product((0, 1), repeat=len(durations) - 1):
-        # The last task is pinned to worker 0: the mirror splits are the same.
+        # The last task is pinned to one worker: mirrored splits are the same.
         load = sum(d for d, p in zip(durations, (*picks, 0), strict=True) if p)
         best = min(best, max(load, total - load))
     return best
@@ -731,9 +747,14 @@ def odd_even_tasks() -> list[bytes]:
 
 
 async def makespan_runs(
-    broker: Broker, s: Settings, figure: str, workers: list[tuple[str, list[str]]], bodies: list[bytes]
+    broker: Broker,
+    s: Settings,
+    figure: str,
+    workers: list[tuple[str, list[str]]],
+    bodies: list[bytes],
+    reps: int,
 ) -> list[float]:
-    """Start the workers, then per repetition publish the tasks and time until the last is done."""
+    """Start the workers once; per repetition publish the tasks and time until the last is done."""
     queue = broker.new_queue(figure)
     await broker.declare(queue)
     group = Group()
@@ -746,9 +767,7 @@ async def makespan_runs(
             await child.start()
         for child in children:
             await child.wait_ready()
-        # A robust consumer may print its banner a moment before basic.consume-ok.
-        await asyncio.sleep(0.2)
-        for rep in range(s.reps):
+        for rep in range(reps):
             started = time.monotonic()
             await broker.fill(queue, bodies)
             await group.wait_done(len(bodies) * (rep + 1))
@@ -758,156 +777,163 @@ async def makespan_runs(
     finally:
         for child in children:
             child.kill()
-    if group.done != len(bodies) * s.reps or (left := await broker.depth(queue)):
-        raise Broken(f"{figure}: {group.done} of {len(bodies) * s.reps} tasks done, {left} left")
+    if group.done != len(bodies) * reps or (left := await broker.depth(queue)):
+        raise Broken(f"{figure}: {group.done} of {len(bodies) * reps} tasks done, {left} left")
     await broker.delete(queue)
     return spans
 
 
 async def fair_dispatch(broker: Broker, s: Settings) -> list[Row]:
+    """Two workers, 12 tasks, every odd one four times the work of an even one."""
     bodies = odd_even_tasks()
     d = s.dot_seconds
     ideal = ideal_two_workers([body.count(b".") * d for body in bodies])
-    common = ["--dot-seconds", str(d)]
-    ours_spans = await makespan_runs(
-        broker,
-        s,
-        "oddeven",
-        [
-            ("ours A", [ours(s, "tasks_worker.py"), "--prefetch", "1", *common]),
-            ("ours B", [ours(s, "tasks_worker.py"), "--prefetch", "1", *common]),
-        ],
-        bodies,
+    worker = [ours(s, "tasks_worker.py"), "--prefetch", "1", "--dot-seconds", str(d)]
+    spans = await makespan_runs(
+        broker, s, "oddeven", [("ours A", worker), ("ours B", worker)], bodies, s.reps
     )
-    # Round-robin: the tutorial's worker before basic.qos, one task at a time, no prefetch limit.
-    rr_spans = await makespan_runs(
-        broker,
-        s,
-        "oddeven-rr",
-        [
-            ("pika A", [bench("pika_worker.py"), "--prefetch", "0", *common]),
-            ("pika B", [bench("pika_worker.py"), "--prefetch", "0", *common]),
-        ],
-        bodies,
+    # Round-robin: the tutorial's worker before basic.qos, one task at a time and
+    # no prefetch limit. (tasks_worker.py --prefetch 0 would run them all at once.)
+    rr_worker = [bench("pika_worker.py"), "--prefetch", "0", "--dot-seconds", str(d)]
+    rr = await makespan_runs(
+        broker, s, "oddeven-rr", [("pika A", rr_worker), ("pika B", rr_worker)], bodies, s.side_reps
     )
-    log(f"  odd/even ours prefetch 1: {spread(ours_spans, 's')}; ideal {ideal:.2f} s")
-    log(f"  odd/even round-robin: {spread(rr_spans, 's')}")
-    figure = f"makespan, odd heavy/even light, 2 workers, prefetch 1, --dot-seconds {d:g}"
+    log(
+        f"  odd/even ours prefetch 1: {spread(spans, 's')}; "
+        f"round-robin {spread(rr, 's')}; ideal {ideal:.2f} s"
+    )
+    figure = f"makespan, 12 tasks odd heavy (4 dots) even light (1), 2 workers, prefetch 1, {d:g} s/dot"
     return [
-        Row(figure, "s", median(ours_spans), "best schedule (computed)", ideal, "<=", 1.1, ours_spans),
         Row(
-            figure,
-            "s",
-            median(ours_spans),
-            "round-robin (pika, no prefetch limit)",
-            median(rr_spans),
-            "<=",
-            None,
-            ours_spans,
-            rr_spans,
+            figure=figure,
+            unit="s",
+            ours=median(spans),
+            baseline_name="best schedule (computed)",
+            baseline=ideal,
+            op="<=",
+            target=1.1,
+            ours_samples=spans,
+        ),
+        Row(
+            figure=figure,
+            unit="s",
+            ours=median(spans),
+            baseline_name="round-robin (pika, no prefetch limit)",
+            baseline=median(rr),
+            op="<=",
+            target=None,
+            ours_samples=spans,
+            baseline_samples=rr,
         ),
     ]
 
 
 async def prefetch_concurrency(broker: Broker, s: Settings) -> list[Row]:
+    """One worker at --prefetch 10 runs 100 one-dot tasks ten at a time."""
     d = s.dot_seconds
     bodies = [f"Task {i} .".encode() for i in range(100)]
     ideal = 100 * d / 10
-    spans = await makespan_runs(
-        broker,
-        s,
-        "prefetch10",
-        [("ours", [ours(s, "tasks_worker.py"), "--prefetch", "10", "--dot-seconds", str(d)])],
-        bodies,
-    )
+    worker = [ours(s, "tasks_worker.py"), "--prefetch", "10", "--dot-seconds", str(d)]
+    spans = await makespan_runs(broker, s, "prefetch10", [("ours", worker)], bodies, s.reps)
+    minimal = [bench("aiopika_min_consumer.py"), "--prefetch", "10", "--dot-seconds", str(d)]
     base = await makespan_runs(
-        broker,
-        s,
-        "prefetch10-min",
-        [
-            (
-                "aio-pika minimal",
-                [bench("aiopika_min_consumer.py"), "--prefetch", "10", "--dot-seconds", str(d)],
-            )
-        ],
-        bodies,
+        broker, s, "prefetch10-min", [("aio-pika minimal", minimal)], bodies, s.side_reps
     )
     log(f"  prefetch 10 ours: {spread(spans, 's')}; minimal {spread(base, 's')}; ideal {ideal:.2f} s")
-    figure = f"makespan, 100 one-dot tasks, 1 worker, prefetch 10, --dot-seconds {d:g}"
+    figure = f"makespan, 100 one-dot tasks, 1 worker, prefetch 10, {d:g} s/dot"
     return [
-        Row(figure, "s", median(spans), "ideal (10 dot-seconds)", ideal, "<=", 1.1, spans),
-        Row(figure, "s", median(spans), "aio-pika minimal", median(base), "<=", None, spans, base),
+        Row(
+            figure=figure,
+            unit="s",
+            ours=median(spans),
+            baseline_name="ideal (10 dot-seconds)",
+            baseline=ideal,
+            op="<=",
+            target=1.1,
+            ours_samples=spans,
+        ),
+        Row(
+            figure=figure,
+            unit="s",
+            ours=median(spans),
+            baseline_name="aio-pika minimal",
+            baseline=median(base),
+            op="<=",
+            target=None,
+            ours_samples=spans,
+            baseline_samples=base,
+        ),
     ]
+
+
+async def rss_run(broker: Broker, s: Settings, name: str, script: str) -> list[tuple[int, int, int]]:
+    """(tasks done, VmRSS KiB, VmHWM KiB) of one worker at 20 checkpoints through its tasks."""
+    n = s.rss_tasks
+    queue = broker.new_queue("rss")
+    await broker.declare(queue)
+    argv = [
+        PY,
+        script,
+        "--url",
+        s.url,
+        "--queue",
+        queue,
+        "--prefetch",
+        str(s.rss_prefetch),
+        "--dot-seconds",
+        "0",
+    ]
+    child = Child(name, argv)
+    child.rss_at = {max(1, n * k // 20) for k in range(1, 21)}
+    await child.start()
+    await child.wait_ready()
+    # Published while the worker consumes, in chunks: the broker's queue stays short.
+    chunk = 5000
+    for first in range(0, n, chunk):
+        await broker.fill(queue, [f"task {i}".encode() for i in range(first, min(n, first + chunk))])
+    await child.wait_done(n)
+    await asyncio.sleep(0.2)
+    assert child.proc is not None
+    child.rss_samples.append((n, *rss_kib(child.proc.pid)))
+    await child.stop()
+    await worker_drained(broker, child, queue, n)
+    await broker.delete(queue)
+    shown = ", ".join(f"{done:,}: {rss / 1024:.1f}" for done, rss, _ in child.rss_samples[1::4])
+    log(f"  RSS {name} (MiB after N tasks): {shown}; VmHWM {child.rss_samples[-1][2] / 1024:.1f}")
+    return child.rss_samples
 
 
 async def memory(broker: Broker, s: Settings) -> list[Row]:
-    """Worker RSS while it works through many zero-dot tasks, sampled at checkpoints."""
+    """Worker memory while it works through many zero-dot tasks: flat, not growing with the count."""
     n = s.rss_tasks
-    checkpoints = sorted({max(1, n * k // 20) for k in range(1, 21)})
-    found: dict[str, list[tuple[int, int, int]]] = {}
-    workers = {
-        "ours": ours(s, "tasks_worker.py"),
-        "aio-pika minimal": bench("aiopika_min_consumer.py"),
-    }
-    for name, script in workers.items():
-        queue = broker.new_queue("rss")
-        await broker.declare(queue)
-        child = Child(
-            name,
-            [
-                PY,
-                script,
-                "--url",
-                s.url,
-                "--queue",
-                queue,
-                "--prefetch",
-                str(s.rss_prefetch),
-                "--dot-seconds",
-                "0",
-            ],
-        )
-        child.rss_at = set(checkpoints)
-        await child.start()
-        await child.wait_ready()
-        # Publish while the worker consumes: the broker's queue stays short.
-        chunk = 5000
-        for first in range(0, n, chunk):
-            await broker.fill(queue, [f"task {i}".encode() for i in range(first, min(n, first + chunk))])
-        await child.wait_done(n)
-        await asyncio.sleep(0.1)
-        assert child.proc is not None
-        child.rss_samples.append((n, *rss_kib(child.proc.pid)))
-        await child.stop()
-        await worker_drained(broker, child, queue, n)
-        await broker.delete(queue)
-        found[name] = child.rss_samples
-        log(f"  rss {name}: " + ", ".join(f"{d}:{r / 1024:.1f}" for d, r, _ in child.rss_samples) + " MiB")
-    mine = found["ours"]
-    # "Flat": the resident set at the end against the one after the first 10 % of the tasks.
-    early = next(r for d, r, _ in mine if d >= n // 10)
-    end_rss, end_hwm = mine[-1][1], mine[-1][2]
-    base_hwm = found["aio-pika minimal"][-1][2]
-    return [
+    mine = await rss_run(broker, s, "ours", ours(s, "tasks_worker.py"))
+    # "Flat": the resident set at the end against the one after the first tenth of the tasks.
+    early = next(rss for done, rss, _ in mine if done >= n // 10)
+    rows = [
         Row(
-            f"worker RSS after {n:,} tasks vs after {n // 10:,} (prefetch {s.rss_prefetch})",
-            "MiB",
-            end_rss / 1024,
-            f"after {n // 10:,}",
-            early / 1024,
-            "<=",
-            1.05,
-        ),
-        Row(
-            f"worker peak RSS (VmHWM) after {n:,} tasks",
-            "MiB",
-            end_hwm / 1024,
-            "aio-pika minimal",
-            base_hwm / 1024,
-            "<=",
-            None,
+            figure=f"worker RSS after {n:,} tasks (prefetch {s.rss_prefetch})",
+            unit="MiB",
+            ours=mine[-1][1] / 1024,
+            baseline_name=f"same worker after {n // 10:,}",
+            baseline=early / 1024,
+            op="<=",
+            target=1.05,
         ),
     ]
+    if not s.quick:
+        base = await rss_run(broker, s, "aio-pika minimal", bench("aiopika_min_consumer.py"))
+        rows.append(
+            Row(
+                figure=f"worker peak RSS (VmHWM) after {n:,} tasks",
+                unit="MiB",
+                ours=mine[-1][2] / 1024,
+                baseline_name="aio-pika minimal",
+                baseline=base[-1][2] / 1024,
+                op="<=",
+                target=None,
+            )
+        )
+    return rows
 
 
 FIGURES: dict[str, Callable[..., Awaitable[list[Row]]]] = {
@@ -1003,10 +1029,11 @@ def main(argv: list[str] | None = None) -> int:
         quick=quick,
         ours_dir=args.ours_dir.resolve(),
         reps=args.reps or (3 if quick else 7),
+        side_reps=1 if quick else (args.reps or 5),
         oneshot_reps=(args.reps or 0) * 2 or (5 if quick else 15),
         dispatch_tasks=1500 if quick else 5000,
-        batch_tasks=5000 if quick else 20000,
-        dot_seconds=0.05 if quick else 0.1,
+        batch_tasks=3000 if quick else 20000,
+        dot_seconds=0.1,
         rss_tasks=10_000 if quick else 100_000,
         rss_prefetch=10,
     )
