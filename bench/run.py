@@ -428,17 +428,23 @@ class Child:
             self._changed.clear()
             if self.proc.returncode is not None or self._readers[0].done():
                 await self.proc.wait()
-                raise Broken(f"{self.describe()} exited (status {self.proc.returncode}) before {what}")
+                raise Broken(
+                    f"{self.describe()} exited (status {self.proc.returncode}) before {what} "
+                    f"({self.received} received, {self.done} done)"
+                )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), timeout=1.0)
             if time.monotonic() - self.last_progress > STALL_SECONDS:
-                raise Broken(f"{self.describe()} made no progress for {STALL_SECONDS:.0f} s before {what}")
+                raise Broken(
+                    f"{self.describe()} made no progress for {STALL_SECONDS:.0f} s before {what} "
+                    f"({self.received} received, {self.done} done)"
+                )
 
     async def wait_ready(self) -> None:
         await self.wait_for(lambda: self.ready_at is not None, "it was ready")
 
     async def wait_done(self, count: int) -> None:
-        await self.wait_for(lambda: self.done >= count, f"{count} tasks were done ({self.done} were)")
+        await self.wait_for(lambda: self.done >= count, f"{count} tasks were done")
 
     async def finish(self, limit: float = 60.0) -> int:
         """Wait for a child that exits on its own; returns its exit status."""
@@ -1084,6 +1090,14 @@ def main(argv: list[str] | None = None) -> int:
         rss_tasks=10_000 if quick else 100_000,
         rss_prefetch=10,
     )
+    missing = [
+        name
+        for name in ("new_task.py", "new_task_initial.py", "tasks_worker.py")
+        if not (settings.ours_dir / name).is_file()
+    ]
+    if missing:
+        print(f"error: not found in {settings.ours_dir}: {', '.join(missing)}", file=sys.stderr)
+        return 1
     started = time.monotonic()
     try:
         rows, problems, retried, version = asyncio.run(run(args, settings))
