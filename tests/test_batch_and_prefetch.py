@@ -13,7 +13,7 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import aio_pika
 import pytest
@@ -52,6 +52,43 @@ async def delete_queue(url: str, name: str) -> None:
     async with connection:
         channel = await connection.channel()
         await channel.queue_delete(name)
+
+
+def batch_cut_in_two(
+    script: str,
+    queue: str,
+    env: dict[str, str],
+    url: str,
+    first: bytes,
+    between: Callable[[], None],
+    rest: bytes,
+) -> tuple[int, bytes, bytes]:
+    """Run `script --stdin`, feed it `first`, wait until the broker holds those
+    lines, run `between` (the fault), then feed `rest` and close its input."""
+    producer = subprocess.Popen(
+        [sys.executable, str(ROOT / script), "--queue", queue, "--stdin"],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert producer.stdin is not None
+        producer.stdin.write(first)
+        producer.stdin.flush()
+        eventually(
+            lambda: asyncio.run(depth_or_none(url, queue)) == first.count(b"\n"),
+            timeout=20,
+            what="the first lines queued",
+        )
+        between()
+        stdout, stderr = producer.communicate(rest, timeout=30)
+    finally:
+        if producer.poll() is None:
+            producer.kill()
+            producer.wait()
+    return producer.returncode, stdout, stderr
 
 
 def rabbitmqctl(*args: str) -> None:
@@ -124,30 +161,16 @@ def test_stdin_batch_reports_nacked_lines(run, broker_url, full_after_two):
 def test_stdin_batch_reports_unroutable_lines(script_env, broker_url, queue_name):
     # The queue vanishes between two lines: the broker returns line 2 (mandatory,
     # no queue to route it to), and the producer says so instead of dropping it.
-    producer = subprocess.Popen(
-        [sys.executable, str(ROOT / "new_task.py"), "--queue", queue_name, "--stdin"],
-        cwd=ROOT,
-        env=script_env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+    returncode, stdout, stderr = batch_cut_in_two(
+        "new_task.py",
+        queue_name,
+        script_env,
+        broker_url,
+        b"first line.\n",
+        lambda: asyncio.run(delete_queue(broker_url, queue_name)),
+        b"second line..\n",
     )
-    try:
-        assert producer.stdin is not None
-        producer.stdin.write(b"first line.\n")
-        producer.stdin.flush()
-        eventually(
-            lambda: asyncio.run(depth_or_none(broker_url, queue_name)) == 1,
-            timeout=20,
-            what="line 1 queued",
-        )
-        asyncio.run(delete_queue(broker_url, queue_name))
-        stdout, stderr = producer.communicate(b"second line..\n", timeout=30)
-    finally:
-        if producer.poll() is None:
-            producer.kill()
-            producer.wait()
-    assert producer.returncode == 1, (stdout, stderr)
+    assert returncode == 1, (stdout, stderr)
     assert stdout == b""
     errors = stderr.decode().splitlines()
     assert len(errors) == 1, errors
@@ -275,30 +298,16 @@ def test_stdin_batch_reports_every_line_not_sent_when_the_connection_drops(
     # every line is either in the queue or named on stderr.
     name = f"{queue_name}-producer"
     env = {**script_env, "AMQP_URL": f"{broker_url.rstrip('/')}/?name={name}"}
-    producer = subprocess.Popen(
-        [sys.executable, str(ROOT / script), "--queue", queue_name, "--stdin"],
-        cwd=ROOT,
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+    returncode, stdout, stderr = batch_cut_in_two(
+        script,
+        queue_name,
+        env,
+        broker_url,
+        b"line 1\nline 2\n",
+        lambda: close_connection_named(name),
+        b"line 3\nline 4\n",
     )
-    try:
-        assert producer.stdin is not None
-        producer.stdin.write(b"line 1\nline 2\n")
-        producer.stdin.flush()
-        eventually(
-            lambda: asyncio.run(depth_or_none(broker_url, queue_name)) == 2,
-            timeout=20,
-            what="lines 1 and 2 queued",
-        )
-        close_connection_named(name)
-        stdout, stderr = producer.communicate(b"line 3\nline 4\n", timeout=30)
-    finally:
-        if producer.poll() is None:
-            producer.kill()
-            producer.wait()
-    assert producer.returncode == 1, (stdout, stderr)
+    assert returncode == 1, (stdout, stderr)
     assert b" [x] Sent" not in stdout
     queued = [message.body for message in asyncio.run(drain(broker_url, queue_name))]
     assert queued == [b"line 1", b"line 2"]
