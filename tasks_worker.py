@@ -87,11 +87,21 @@ async def retry_or_park(message: AbstractIncomingMessage, error: Exception, sett
         # Copy first, ack second: a crash in between leaves the task in both
         # queues, never in neither.
         await settings.channel.default_exchange.publish(
+            # The copy keeps what identifies the task to its producer; not its
+            # expiration, which could drop it from the parking queue.
             aio_pika.Message(
                 message.body,
                 headers={**message.headers, "x-failure": reason},
                 content_type=message.content_type,
+                content_encoding=message.content_encoding,
                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                priority=message.priority,
+                correlation_id=message.correlation_id,
+                reply_to=message.reply_to,
+                message_id=message.message_id,
+                timestamp=message.timestamp,
+                type=message.type,
+                app_id=message.app_id,
             ),
             routing_key=settings.failed_queue,
             mandatory=True,
@@ -128,9 +138,9 @@ class FailoverConnection(aio_pika.RobustConnection):
         return f"{self.url.host}:{self.url.port or 5672}"
 
     def report_loss(self, _: object, error: BaseException | None) -> None:
-        # connection_attempt counts the connections made: a first attempt
-        # that fails was never a connection to lose.
-        if self.connection_attempt and not self.close_called:
+        # Only a connection that was up has a transport here: a failed first
+        # attempt, or each failed attempt to reconnect, is not a new loss.
+        if self.transport is not None and not self.close_called:
             say(f" [!] Lost the connection to {self.where()} ({error}); reconnecting")
 
     def report_return(self, _: object) -> None:

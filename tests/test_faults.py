@@ -194,6 +194,19 @@ def test_foreign_properties_and_a_redelivered_task_never_kill_the_worker(
     )
 
 
+IDENTIFYING_PROPERTIES = (
+    "content_type",
+    "content_encoding",
+    "priority",
+    "correlation_id",
+    "reply_to",
+    "message_id",
+    "timestamp",
+    "type",
+    "app_id",
+)
+
+
 async def publish_and_read_failed(url: str, queue: str, message: aio_pika.Message, worker: Script) -> dict:
     connection = await aio_pika.connect(url)
     async with connection:
@@ -204,19 +217,40 @@ async def publish_and_read_failed(url: str, queue: str, message: aio_pika.Messag
         parked = await failed.get(timeout=10)
         await parked.ack()
         assert await failed.get(fail=False) is None
-        return {"body": parked.body, "headers": parked.headers, "content_type": parked.content_type}
+        return {
+            "body": parked.body,
+            "headers": parked.headers,
+            "delivery_mode": parked.delivery_mode,
+            "expiration": parked.expiration,
+            **{name: getattr(parked, name) for name in IDENTIFYING_PROPERTIES},
+        }
 
 
 @pytest.mark.timeout(60)
 def test_failing_foreign_task_is_parked_with_its_headers(start_worker, broker_url, queue_name, request):
     worker = start_worker("--dot-seconds", "0", "--fail-on", "refused")
     body = b"refused, with odd headers."
-    message = aio_pika.Message(body, headers=ODD_HEADERS, content_type="application/x-odd", priority=5)
+    identity = {
+        "content_type": "application/x-odd",
+        "content_encoding": "identity",
+        "priority": 5,
+        "correlation_id": "corr-7",
+        "reply_to": "replies",
+        "message_id": "msg-42",
+        "timestamp": datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.UTC),
+        "type": "resize",
+        "app_id": "foreign-app",
+    }
+    message = aio_pika.Message(body, headers=ODD_HEADERS, expiration=600, **identity)
 
     parked = asyncio.run(publish_and_read_failed(broker_url, queue_name, message, worker))
 
     assert parked["body"] == body
-    assert parked["content_type"] == "application/x-odd"
+    # What identifies the task to its producer survives parking; an expiration
+    # does not, since it would drop the task from the parking queue.
+    assert {name: parked[name] for name in IDENTIFYING_PROPERTIES} == identity
+    assert parked["delivery_mode"] == aio_pika.DeliveryMode.PERSISTENT
+    assert parked["expiration"] is None
     headers = parked["headers"]
     assert isinstance(headers["x-failure"], str)  # the worker's reason replaces the foreign 42
     assert "refused" in headers["x-failure"]
@@ -372,6 +406,8 @@ def test_worker_reconnects_by_itself_after_a_broker_restart(
 
     worker.wait_for(lost_line(node), stream="err")
     worker.wait_for(reconnected_line(node), stream="err", timeout=30)
+    # One line for the loss, however many attempts the restart took.
+    assert worker.count(lost_line(node), stream="err") == 1
     sent = run(
         "new_task.py", "--queue", private_queue, "--stdin", stdin="\n".join(after).encode(), env=node_env
     )
