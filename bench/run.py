@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import itertools
 import json
@@ -29,11 +30,12 @@ import sys
 import tempfile
 import textwrap
 import time
+import urllib.parse
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import aiormq
 from pamqp.commands import Basic
@@ -161,16 +163,18 @@ def render_rst(rows: Sequence[Row]) -> str:
     return "\n".join(out)
 
 
-def machine_summary(broker_version: str) -> str:
+def machine_summary(broker_version: str, url: str) -> str:
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):
         for text in Path("/proc/cpuinfo").read_text().splitlines():
             if text.startswith("model name"):
                 cpu = text.split(":", 1)[1].strip()
                 break
+    host = urllib.parse.urlsplit(url).hostname or "localhost"
+    where = "on the same machine" if host in ("localhost", "127.0.0.1", "::1") else "on another host"
     return (
         f"{os.cpu_count()} cores ({cpu}), Linux {platform.release()}, Python {platform.python_version()}, "
-        f"RabbitMQ {broker_version} on the same machine"
+        f"RabbitMQ {broker_version} {where}"
     )
 
 
@@ -182,9 +186,7 @@ LEGEND = (
 )
 
 
-def report(rows: Sequence[Row], style: str, command: str, broker_version: str, wall: float) -> str:
-    today = datetime.date.today().isoformat()
-    machine = machine_summary(broker_version)
+def report(rows: Sequence[Row], style: str, command: str, machine: str, today: str, wall: float) -> str:
     intro = (
         f"Measured {today} on a shared, noisy machine: {machine}. Each figure is the median of several "
         "repetitions and each ratio compares with a baseline measured in the same run, so read the "
@@ -1069,13 +1071,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=ROOT,
         help="where new_task.py, new_task_initial.py and tasks_worker.py are (default: the repository root)",
     )
-    parser.add_argument("--json", type=Path, help="also write every sample to this file")
+    parser.add_argument("--json", type=Path, help="also write the run, every sample included, to this file")
+    parser.add_argument(
+        "--render",
+        type=Path,
+        metavar="JSON",
+        help="measure nothing: print the run saved in this --json file (with --rst or --markdown)",
+    )
     parser.add_argument("--reps", type=int, help="repetitions per figure (default: 3 quick, 7 full)")
     return parser.parse_args(argv)
 
 
+def render_record(record: dict[str, Any], style: str) -> str:
+    fields = {f.name for f in dataclasses.fields(Row)}
+    rows = [Row(**{k: v for k, v in row.items() if k in fields}) for row in record["rows"]]
+    return report(rows, style, record["command"], record["machine"], record["date"], record["wall_seconds"])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.render:
+        # Only print a run saved earlier with --json, in the style asked for.
+        print(render_record(json.loads(args.render.read_text()), args.style or "text"))
+        return 0
     quick = args.quick
     settings = Settings(
         url=args.url,
@@ -1114,20 +1132,19 @@ def main(argv: list[str] | None = None) -> int:
     shown += [arg for name in args.only or [] for arg in ("--only", name)]
     shown += ["--reps", str(args.reps)] if args.reps else []
     shown += ["--url", "URL"] if args.url != DEFAULT_URL else []
-    print(report(rows, args.style or "text", shlex.join(shown), version, wall))
+    record = {
+        "date": datetime.date.today().isoformat(),
+        "machine": machine_summary(version, args.url),
+        "command": shlex.join(shown),
+        "wall_seconds": wall,
+        "settings": {**asdict(settings), "ours_dir": str(settings.ours_dir)},
+        "rows": [{**asdict(r), "ratio": r.ratio, "met": r.met} for r in rows],
+        "problems": problems,
+        "retried": retried,
+    }
+    print(render_record(record, args.style or "text"))
     if args.json:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "wall_seconds": wall,
-                    "settings": {**asdict(settings), "ours_dir": str(settings.ours_dir)},
-                    "rows": [{**asdict(r), "ratio": r.ratio, "met": r.met} for r in rows],
-                    "problems": problems,
-                    "retried": retried,
-                },
-                indent=2,
-            )
-        )
+        args.json.write_text(json.dumps(record, indent=2))
     missed = [f"{r.figure} vs {r.baseline_name}" for r in rows if r.met is False]
     for text in missed:
         print(f"target missed: {text}", file=sys.stderr)
