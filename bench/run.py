@@ -1008,6 +1008,13 @@ async def run(args: argparse.Namespace, settings: Settings) -> tuple[list[Row], 
         await broker.open()
     except Exception as error:
         raise Broken(f"cannot reach the broker at {settings.url}: {error}") from None
+    # Ctrl+C or SIGTERM cancel the measuring alone: the harness's AMQP connection
+    # stays up to delete the queues on the way out, and the children are stopped.
+    loop = asyncio.get_running_loop()
+    this = asyncio.current_task()
+    assert this is not None
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, this.cancel)
     rows: list[Row] = []
     problems: list[str] = []
     retried: list[str] = []
@@ -1037,7 +1044,10 @@ async def run(args: argparse.Namespace, settings: Settings) -> tuple[list[Row], 
                         child.kill()
             log(f"  ({time.monotonic() - started:.1f} s)")
     finally:
-        await broker.close()
+        for child in list(Child.running):
+            child.kill()
+        async with asyncio.timeout(15):
+            await broker.close()
     return rows, problems, retried, broker.version
 
 
@@ -1122,9 +1132,8 @@ def main(argv: list[str] | None = None) -> int:
     except Broken as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        for child in list(Child.running):
-            child.kill()
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("interrupted: children stopped, queues deleted", file=sys.stderr)
         return 130
     wall = time.monotonic() - started
     # The command as given, less the address of a broker other than the default.
