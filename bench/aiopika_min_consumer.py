@@ -3,8 +3,9 @@
 
 Plain (non-robust) connection, basic.qos prefetch, durable queue, a
 callback per delivery that sleeps dots*dot_seconds and then acks. No
-reconnects, no failure policy, no graceful drain: the lower bound that
-tasks_worker.py is measured against.
+reconnects, no failure policy: the lower bound that tasks_worker.py is
+measured against. On SIGTERM or Ctrl+C it takes no more tasks, lets those
+under way finish and be acked, and exits.
 """
 
 from __future__ import annotations
@@ -38,16 +39,28 @@ async def consume(args: argparse.Namespace) -> None:
         await channel.set_qos(prefetch_count=args.prefetch)
         queue = await channel.declare_queue(args.queue, durable=True)
 
-        async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
-            body = message.body
-            print(f" [x] Received {body.decode(errors='replace')!r}", flush=True)
-            await asyncio.sleep(body.count(b".") * args.dot_seconds)
-            print(" [x] Done", flush=True)
-            await message.ack()
+        running: set[asyncio.Task[object]] = set()
 
-        await queue.consume(on_message)
+        async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            task = asyncio.current_task()
+            assert task is not None
+            running.add(task)
+            try:
+                body = message.body
+                print(f" [x] Received {body.decode(errors='replace')!r}", flush=True)
+                await asyncio.sleep(body.count(b".") * args.dot_seconds)
+                print(" [x] Done", flush=True)
+                await message.ack()
+            finally:
+                running.discard(task)
+
+        consumer_tag = await queue.consume(on_message)
         print(" [*] Waiting for messages. To exit press CTRL+C", flush=True)
         await stop.wait()
+        # Take no more, let the tasks under way finish and be acked.
+        await queue.cancel(consumer_tag)
+        if running:
+            await asyncio.wait(running)
 
 
 def main() -> int:

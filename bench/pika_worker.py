@@ -27,23 +27,34 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 def main() -> int:
     args = parse_args()
-    signal.signal(signal.SIGTERM, _interrupt)
+    # SIGTERM lets the task under way finish and be acked, then stops; when
+    # no task is under way it stops at once. Ctrl+C stops at once either way.
+    state = {"busy": False, "stopping": False}
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        state["stopping"] = True
+        if not state["busy"]:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     connection = pika.BlockingConnection(pika.URLParameters(args.url))
     channel = connection.channel()
     channel.queue_declare(queue=args.queue, durable=True)
     channel.basic_qos(prefetch_count=args.prefetch)
 
     def on_message(ch, method, properties, body: bytes) -> None:
-        print(f" [x] Received {body.decode(errors='replace')!r}", flush=True)
-        time.sleep(body.count(b".") * args.dot_seconds)
-        print(" [x] Done", flush=True)
-        ch.basic_ack(delivery_tag=method.delivery_tag)
+        state["busy"] = True
+        try:
+            print(f" [x] Received {body.decode(errors='replace')!r}", flush=True)
+            time.sleep(body.count(b".") * args.dot_seconds)
+            print(" [x] Done", flush=True)
+            ch.basic_ack(delivery_tag=method.delivery_tag)
+        finally:
+            state["busy"] = False
+        if state["stopping"]:
+            ch.stop_consuming()
 
     channel.basic_consume(queue=args.queue, on_message_callback=on_message)
     print(" [*] Waiting for messages. To exit press CTRL+C", flush=True)
