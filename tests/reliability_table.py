@@ -85,14 +85,14 @@ def record(
 
 
 def rst_table(rows: list[dict[str, object]]) -> str:
-    cells = [list(COLUMNS)] + [[str(row[column]) for column in COLUMNS] for row in rows]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
-    rule = " ".join("=" * width for width in widths)
-
-    def line(values: list[str]) -> str:
-        return " ".join(value.ljust(width) for value, width in zip(values, widths, strict=True)).rstrip()
-
-    return "\n".join([rule, line(cells[0]), rule, *(line(row) for row in cells[1:]), rule])
+    """A list-table: its rows wrap, where a simple table's long test names would not."""
+    lines = [".. list-table::", "   :header-rows: 1", ""]
+    for cells in [list(COLUMNS), *([str(row[column]) for column in COLUMNS] for row in rows)]:
+        if cells[2] != "test":
+            cells[2] = f"``{cells[2]}``"
+        lines.append(f"   * - {cells[0]}")
+        lines.extend(f"     - {cell}" for cell in cells[1:])
+    return "\n".join(lines)
 
 
 def read_figures() -> list[dict[str, object]]:
