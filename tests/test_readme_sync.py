@@ -7,6 +7,7 @@ compares two texts aspect by aspect; the tests run it on the real files and on c
 with one change made to one side only, to show each aspect is really watched.
 """
 
+import functools
 import io
 import re
 from collections import Counter
@@ -25,9 +26,15 @@ FIGURE = re.compile(r"\d+(?:[.,]\d+)*")
 
 
 def doctree(readme: Path) -> nodes.document:
-    # Warnings are test_readme.py's business; here only the parsed structure matters.
+    return _parsed(readme.read_text())
+
+
+@functools.lru_cache(maxsize=128)
+def _parsed(text: str) -> nodes.document:
+    # Keyed by the text, so a mutated copy is parsed anew. Warnings are
+    # test_readme.py's business; here only the parsed structure matters.
     return docutils.core.publish_doctree(
-        readme.read_text(),
+        text,
         settings_overrides={"warning_stream": io.StringIO(), "report_level": 5, "halt_level": 5},
     )
 
