@@ -146,7 +146,8 @@ class FailoverConnection(aio_pika.RobustConnection):
     def report_return(self, _: object) -> None:
         say(f" [*] Reconnected to {self.where()}")
 
-    # aio-pika runs this before every connection attempt; it reads self.url.
+    # aio-pika (10.1.1 and later) runs this before every connection attempt,
+    # which then reads self.url; the cluster test fails if that changes.
     async def _RobustConnection__connect_transport(self) -> None:
         self.url = self.addresses[self.attempts % len(self.addresses)]
         self.attempts += 1
