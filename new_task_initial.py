@@ -164,31 +164,32 @@ async def publish_tasks(
     channel: AbstractChannel, queue: str, tasks: AsyncIterator[tuple[int, bytes]]
 ) -> Progress:
     progress = Progress()
-    window = asyncio.Semaphore(CONFIRM_WINDOW)
-    in_flight: set[asyncio.Task[None]] = set()
+    reading = asyncio.Lock()
 
-    async def publish(number: int, body: bytes) -> None:
-        failure = "not written"
-        try:
-            await channel.default_exchange.publish(aio_pika.Message(body), routing_key=queue)
-            failure = ""
-        except (AMQPError, ChannelInvalidStateError, ConnectionError):
-            failure = "the connection was lost"
-        finally:
-            window.release()
-            if failure:
-                progress.unsent.append((number, body, failure))
-            else:
-                progress.sent += 1
-            progress.show()
+    # Each lane has one task at a time waiting for the broker; CONFIRM_WINDOW
+    # lanes keep that many in flight, with no round trip per task.
+    async def lane() -> None:
+        while True:
+            async with reading:
+                task = await anext(tasks, None)
+            if task is None:
+                return
+            number, body = task
+            progress.read += 1
+            failure = "not written"
+            try:
+                await channel.default_exchange.publish(aio_pika.Message(body), routing_key=queue)
+                failure = ""
+            except (AMQPError, ChannelInvalidStateError, ConnectionError):
+                failure = "the connection was lost"
+            finally:
+                if failure:
+                    progress.unsent.append((number, body, failure))
+                else:
+                    progress.sent += 1
+                progress.show()
 
-    async for number, body in tasks:
-        await window.acquire()
-        progress.read += 1
-        task = asyncio.create_task(publish(number, body))
-        in_flight.add(task)
-        task.add_done_callback(in_flight.discard)
-    await asyncio.gather(*in_flight, return_exceptions=True)
+    await asyncio.gather(*(lane() for _ in range(CONFIRM_WINDOW)), return_exceptions=True)
     progress.show(final=True)
     return progress
 
