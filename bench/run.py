@@ -147,20 +147,13 @@ def render_markdown(rows: Sequence[Row]) -> str:
 
 
 def render_rst(rows: Sequence[Row]) -> str:
-    """A grid table: docutils accepts any cell text in it."""
+    """A list-table: its cells wrap, so the README stays readable in a narrow window."""
     header, body = table_cells(rows)
-    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
-
-    def rule(char: str) -> str:
-        return "+" + "+".join(char * (w + 2) for w in widths) + "+"
-
-    def line(cells: list[str]) -> str:
-        return "|" + "|".join(f" {c.ljust(w)} " for c, w in zip(cells, widths, strict=True)) + "|"
-
-    out = [rule("-"), line(header), rule("=")]
-    for r in body:
-        out += [line(r), rule("-")]
-    return "\n".join(out)
+    lines = [".. list-table::", "   :header-rows: 1", ""]
+    for cells in [header, *body]:
+        lines.append(f"   * - {cells[0]}")
+        lines.extend(f"     - {cell}" for cell in cells[1:])
+    return "\n".join(lines)
 
 
 def machine_summary(broker_version: str, url: str) -> str:
