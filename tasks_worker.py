@@ -84,8 +84,11 @@ async def retry_or_park(message: AbstractIncomingMessage, error: Exception, sett
         say(f" [!] Task {task} failed again ({reason}); RabbitMQ moves it to queue {settings.failed_queue!r}")
         await message.nack(requeue=True)
     else:
-        # Copy first, ack second: a crash in between leaves the task in both
-        # queues, never in neither.
+        # Declared again in case someone deleted it since the start. Then copy
+        # first, ack second: a crash in between leaves the task in both queues,
+        # never in neither, and a copy the broker cannot place raises (the
+        # channel has on_return_raises), so the task is requeued, not acked.
+        await settings.channel.declare_queue(settings.failed_queue, durable=True)
         await settings.channel.default_exchange.publish(
             # The copy keeps what identifies the task to its producer; not its
             # expiration, which could drop it from the parking queue.
@@ -300,7 +303,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
 async def start_consuming(
     connection: AbstractRobustConnection, args: argparse.Namespace, running: set["asyncio.Task[None]"]
 ) -> tuple[AbstractQueue, str]:
-    channel = await connection.channel()
+    channel = await connection.channel(on_return_raises=True)
     # prefetch_count=1 is fair dispatch: the broker holds back a worker's
     # next task until it acks the current one, and gives it to an idle worker.
     await channel.set_qos(prefetch_count=args.prefetch)

@@ -66,7 +66,7 @@ def broker_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         node.cleanup()
 
 
-async def _delete_queues(url: str, names: list[str]) -> None:
+async def delete_queues(url: str, *names: str) -> None:
     connection = await aio_pika.connect(url)
     async with connection:
         channel = await connection.channel()
@@ -79,7 +79,7 @@ def queue_name(broker_url: str) -> Iterator[str]:
     """A queue name no other test uses; the queue and its .failed twin are deleted afterwards."""
     name = f"wq-test-{uuid.uuid4().hex[:10]}"
     yield name
-    asyncio.run(_delete_queues(broker_url, [name, f"{name}.failed"]))
+    asyncio.run(delete_queues(broker_url, name, f"{name}.failed"))
 
 
 class Script:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 
 import aio_pika
 import pytest
-from conftest import ROOT, drain, eventually, queue_depth
+from conftest import ROOT, delete_queues, drain, eventually, queue_depth
 
 SENT_ONE = re.compile(r"^ \[x\] Sent ")
 
@@ -45,13 +45,6 @@ async def depth_or_none(url: str, name: str) -> int | None:
         return await queue_depth(url, name)
     except aio_pika.exceptions.ChannelNotFoundEntity:
         return None
-
-
-async def delete_queue(url: str, name: str) -> None:
-    connection = await aio_pika.connect(url)
-    async with connection:
-        channel = await connection.channel()
-        await channel.queue_delete(name)
 
 
 def batch_cut_in_two(
@@ -167,7 +160,7 @@ def test_stdin_batch_reports_unroutable_lines(script_env, broker_url, queue_name
         script_env,
         broker_url,
         b"first line.\n",
-        lambda: asyncio.run(delete_queue(broker_url, queue_name)),
+        lambda: asyncio.run(delete_queues(broker_url, queue_name)),
         b"second line..\n",
     )
     assert returncode == 1, (stdout, stderr)

@@ -6,7 +6,7 @@ never looping. Quorum queues reach the same end through x-delivery-limit and dea
 import asyncio
 import re
 
-from conftest import drain, eventually, queue_depth
+from conftest import delete_queues, drain, eventually, queue_depth
 
 
 def depth_is(url: str, name: str, expected: int) -> bool:
@@ -109,3 +109,16 @@ def test_failure_policy_holds_with_prefetch(start_worker, run, queue_name, broke
     assert depth_is(broker_url, queue_name, 0)
     parked = asyncio.run(drain(broker_url, f"{queue_name}.failed"))
     assert sorted(message.body.decode() for message in parked) == sorted(bad)
+
+
+def test_task_is_parked_even_if_the_failed_queue_was_deleted(start_worker, run, queue_name, broker_url):
+    # Someone deleted the parking queue while the worker ran: the copy must
+    # still land somewhere durable, or the ack would lose the task.
+    worker = start_worker("--dot-seconds", "0", "--fail-on", "BAD")
+    asyncio.run(delete_queues(broker_url, f"{queue_name}.failed"))
+    send(run, queue_name, "BAD task.")
+
+    worker.wait_for(r"moved to queue", stream="err")
+    [parked] = asyncio.run(drain(broker_url, f"{queue_name}.failed"))
+    assert parked.body == b"BAD task."
+    assert depth_is(broker_url, queue_name, 0)
