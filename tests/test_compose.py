@@ -155,9 +155,7 @@ def test_compose_permits_transient_nonexclusive_queues(compose, service):
 
 def test_compose_mounts_the_permit_under_conf_d(compose, service):
     targets = [
-        target
-        for target, content in mounted_configs(compose, service)
-        if permits_transient_queues(content)
+        target for target, content in mounted_configs(compose, service) if permits_transient_queues(content)
     ]
     assert targets
     for target in targets:
