@@ -17,9 +17,13 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aio_pika
 import pytest
+
+if TYPE_CHECKING:
+    from broker_nodes import BrokerNode
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_URL = "amqp://guest:guest@localhost:5672/"
@@ -45,6 +49,19 @@ def broker_answers(url: str, within: float) -> bool:
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def module_node() -> Iterator["BrokerNode"]:
+    """A private RabbitMQ node the test module owns, to stop, kill or restart at will."""
+    from broker_nodes import BrokerNode
+
+    node = BrokerNode()
+    node.start()
+    try:
+        yield node
+    finally:
+        node.cleanup()
 
 
 @pytest.fixture(scope="session")

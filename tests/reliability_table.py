@@ -84,6 +84,19 @@ def record(
     return figures
 
 
+def record_done(test: str, *, fault: str, how: str, sent: int, done: Counter[str]) -> dict[str, object]:
+    """record() for a fault after which every task sent must be done, at least once."""
+    return record(
+        test,
+        fault=fault,
+        how=how,
+        sent=sent,
+        completed=len(done),
+        lost=sent - len(done),
+        duplicated=sum(1 for times in done.values() if times > 1),
+    )
+
+
 def rst_table(rows: list[dict[str, object]]) -> str:
     """A list-table: its rows wrap, where a simple table's long test names would not."""
     lines = [".. list-table::", "   :header-rows: 1", ""]

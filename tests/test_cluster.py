@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 from broker_nodes import BrokerNode, cleanup_nodes, cluster_url, start_cluster
 from conftest import WAITING_LINE, eventually, queue_depth
-from reliability_table import record, tally
+from reliability_table import record_done, tally
 
 pytestmark = pytest.mark.private_broker
 
@@ -59,14 +59,12 @@ def test_worker_carries_on_through_another_node_of_a_quorum_cluster(cluster, sta
     assert asyncio.run(queue_depth(others[0].url, queue)) == 0
     assert worker.process.poll() is None
     assert not [line for line in worker.stderr_lines if "Traceback" in line], worker.stderr_lines
-    record(
+    record_done(
         request.node.name,
         fault="cluster node stopped under the worker",
         how="3 nodes, quorum queue; rabbitmqctl stop of the worker's node",
         sent=len(bodies),
-        completed=len(done),
-        lost=len(bodies) - len(done),
-        duplicated=sum(1 for times in done.values() if times > 1),
+        done=done,
     )
     print(
         f"cluster: {done_when_lost} tasks done before the node stopped, {sum(received.values())} deliveries"

@@ -15,13 +15,13 @@ import re
 import signal
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import aio_pika
 import pytest
 from broker_nodes import BrokerNode
 from conftest import WAITING_LINE, Script, eventually
-from reliability_table import record, tally
+from reliability_table import record, record_done, tally
 
 SLOW_TASK_SECONDS = "2"
 
@@ -77,14 +77,12 @@ def test_unacked_task_is_redelivered_after_kill(start_worker, run, queue_name, r
     _, done = tally(workers)
     assert victim.count(re.escape(" [x] Done")) == 0
     assert done == {repr(body): 1}
-    record(
+    record_done(
         request.node.name,
         fault="worker killed mid-task",
         how="kill -9 of the worker holding the task",
         sent=1,
-        completed=len(done),
-        lost=1 - len(done),
-        duplicated=sum(1 for n in done.values() if n > 1),
+        done=done,
     )
 
 
@@ -104,14 +102,12 @@ def test_prefetched_task_survives_a_killed_worker(start_worker, run, queue_name,
     received_counts, done = tally([holder, rescuer])
     assert done == {repr(body): 1 for body in bodies}
     assert sorted(received_counts) == sorted(repr(body) for body in bodies)
-    record(
+    record_done(
         request.node.name,
         fault="worker killed holding 2 prefetched tasks",
         how="kill -9 of a worker at --prefetch 2",
         sent=len(bodies),
-        completed=len(done),
-        lost=len(bodies) - len(done),
-        duplicated=sum(1 for n in done.values() if n > 1),
+        done=done,
     )
 
 
@@ -183,14 +179,12 @@ def test_foreign_properties_and_a_redelivered_task_never_kill_the_worker(
     assert done == {repr(body): 1 for body in bodies}
     assert worker.process.poll() is None
     no_tracebacks(worker)
-    record(
+    record_done(
         request.node.name,
         fault="foreign producer's properties, a redelivered task",
         how="content type, priority, expiration, odd headers, redelivered flag",
         sent=len(bodies),
-        completed=len(done),
-        lost=len(bodies) - len(done),
-        duplicated=sum(1 for n in done.values() if n > 1),
+        done=done,
     )
 
 
@@ -277,16 +271,6 @@ def test_failing_foreign_task_is_parked_with_its_headers(start_worker, broker_ur
 # ----------------------------------------------------------------- the broker fails
 
 
-@pytest.fixture(scope="module")
-def module_node() -> Iterator[BrokerNode]:
-    node = BrokerNode()
-    node.start()
-    try:
-        yield node
-    finally:
-        node.cleanup()
-
-
 @pytest.fixture
 def node(module_node: BrokerNode) -> BrokerNode:
     """The module's private node, running (a previous test may have stopped it)."""
@@ -338,14 +322,12 @@ def test_worker_recovers_after_the_connection_is_cut(
     assert all(received_counts[repr(body)] == 1 for body in after)
     assert node.queue_messages(private_queue) == 0
     no_tracebacks(worker)
-    record(
+    record_done(
         request.node.name,
         fault="connection cut mid-task",
         how="rabbitmqctl close_all_connections",
         sent=3,
-        completed=len(done),
-        lost=3 - len(done),
-        duplicated=sum(1 for n in done.values() if n > 1),
+        done=done,
     )
 
 
@@ -419,14 +401,12 @@ def test_worker_reconnects_by_itself_after_a_broker_restart(
     assert received_counts == {repr(body): 1 for body in before + after}  # nothing acked came back
     assert worker.process.poll() is None
     no_tracebacks(worker)
-    record(
+    record_done(
         request.node.name,
         fault="broker restart under a running worker",
         how="rabbitmqctl stop, then start; worker left running",
         sent=len(before) + len(after),
-        completed=len(done),
-        lost=len(before) + len(after) - len(done),
-        duplicated=sum(1 for n in done.values() if n > 1),
+        done=done,
     )
 
 

@@ -13,7 +13,6 @@ import re
 import signal
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,14 +30,9 @@ KILL_EVERY = 150  # tasks done between two kills, on average, if that comes befo
 CHAOS_SECONDS = 60  # the whole run must finish within this, after the tasks are queued
 
 
-@pytest.fixture(scope="module")
-def node() -> Iterator[BrokerNode]:
-    node = BrokerNode()
-    node.start()
-    try:
-        yield node
-    finally:
-        node.cleanup()
+@pytest.fixture
+def node(module_node: BrokerNode) -> BrokerNode:
+    return module_node
 
 
 def chaos_schedule(chance: random.Random, done: int) -> tuple[float, int]:
