@@ -64,23 +64,42 @@ def module_node() -> Iterator["BrokerNode"]:
         node.cleanup()
 
 
+def local_rabbitmqctl(*args: str) -> str:
+    """rabbitmqctl for the node on this machine that answers on localhost:5672."""
+    return subprocess.run(
+        ["rabbitmqctl", *args], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+
+
 @pytest.fixture(scope="session")
-def broker_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A broker that has answered an AMQP handshake: AMQP_URL, localhost, or a private node."""
+def session_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Callable[..., str]]]:
+    """A broker that has answered an AMQP handshake, and rabbitmqctl for it:
+    AMQP_URL or localhost, else a private node when rabbitmq-server is installed."""
     url = os.environ.get("AMQP_URL", DEFAULT_URL)
     if broker_answers(url, within=10):
-        yield url
+        yield url, local_rabbitmqctl
         return
     if shutil.which("rabbitmq-server") is None:
         pytest.fail(HOW_TO_GET_A_BROKER.format(url=url), pytrace=False)
     from broker_nodes import BrokerNode
 
-    node = BrokerNode(tmp_path_factory.mktemp("session-broker"))
+    node = BrokerNode(base_dir=tmp_path_factory.mktemp("session-broker"))
     node.start()
     try:
-        yield node.url
+        yield node.url, node.ctl
     finally:
         node.cleanup()
+
+
+@pytest.fixture(scope="session")
+def broker_url(session_broker: tuple[str, Callable[..., str]]) -> str:
+    return session_broker[0]
+
+
+@pytest.fixture(scope="session")
+def rabbitmqctl(session_broker: tuple[str, Callable[..., str]]) -> Callable[..., str]:
+    """rabbitmqctl ARGS... against the node behind broker_url; returns its stdout."""
+    return session_broker[1]
 
 
 async def delete_queues(url: str, *names: str) -> None:

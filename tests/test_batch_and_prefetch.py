@@ -84,14 +84,11 @@ def batch_cut_in_two(
     return producer.returncode, stdout, stderr
 
 
-def rabbitmqctl(*args: str) -> None:
-    subprocess.run(["rabbitmqctl", "-q", *args], capture_output=True, timeout=60, check=True)
-
-
 @pytest.fixture
-def full_after_two(queue_name: str) -> Iterator[str]:
+def full_after_two(queue_name: str, rabbitmqctl) -> Iterator[str]:
     """A policy on this test's queue only: it holds 2 tasks and refuses (nacks) any more."""
     rabbitmqctl(
+        "-q",
         "set_policy",
         "--apply-to",
         "queues",
@@ -104,7 +101,7 @@ def full_after_two(queue_name: str) -> Iterator[str]:
     try:
         yield queue_name
     finally:
-        rabbitmqctl("clear_policy", queue_name)
+        rabbitmqctl("-q", "clear_policy", queue_name)
 
 
 # --- new_task.py --stdin ----------------------------------------------------------------------
@@ -269,23 +266,17 @@ def test_unacked_tasks_are_all_redelivered_after_kill_with_prefetch(
     assert all(message.redelivered for message in messages)
 
 
-def close_connection_named(name: str) -> None:
+def close_connection_named(rabbitmqctl, name: str) -> None:
     """Close, from the broker's side, the client connection that calls itself `name`."""
-    listing = subprocess.run(
-        ["rabbitmqctl", "-q", "--no-table-headers", "list_connections", "pid", "client_properties"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
+    listing = rabbitmqctl("-q", "--no-table-headers", "list_connections", "pid", "client_properties")
     pids = [line.split("\t")[0] for line in listing.splitlines() if name in line]
     assert len(pids) == 1, listing
-    rabbitmqctl("close_connection", pids[0], "test: connection cut mid-batch")
+    rabbitmqctl("-q", "close_connection", pids[0], "test: connection cut mid-batch")
 
 
 @pytest.mark.parametrize("script", ["new_task.py", "new_task_initial.py"])
 def test_stdin_batch_reports_every_line_not_sent_when_the_connection_drops(
-    script_env, broker_url, queue_name, script
+    script_env, broker_url, queue_name, script, rabbitmqctl
 ):
     # The broker cuts the producer off between two lines. Nothing may vanish:
     # every line is either in the queue or named on stderr.
@@ -297,7 +288,7 @@ def test_stdin_batch_reports_every_line_not_sent_when_the_connection_drops(
         env,
         broker_url,
         b"line 1\nline 2\n",
-        lambda: close_connection_named(name),
+        lambda: close_connection_named(rabbitmqctl, name),
         b"line 3\nline 4\n",
     )
     assert returncode == 1, (stdout, stderr)

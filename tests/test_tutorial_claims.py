@@ -8,33 +8,20 @@ the tool the tutorial itself uses to show unacknowledged messages.
 import asyncio
 import re
 import signal
-import subprocess
 
 import aio_pika
 import pytest
 from conftest import drain, eventually, queue_depth
 
 
-def ready_and_unacked(name: str) -> tuple[int, int] | None:
+def ready_and_unacked(rabbitmqctl, name: str) -> tuple[int, int] | None:
     """The tutorial's debugging view of a queue: its ready and unacknowledged message counts.
 
     `rabbitmqctl list_queues name messages_ready messages_unacknowledged`
     """
-    listing = subprocess.run(
-        [
-            "rabbitmqctl",
-            "-q",
-            "list_queues",
-            "--no-table-headers",
-            "name",
-            "messages_ready",
-            "messages_unacknowledged",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
+    listing = rabbitmqctl(
+        "-q", "list_queues", "--no-table-headers", "name", "messages_ready", "messages_unacknowledged"
+    )
     for line in listing.splitlines():
         name_found, ready, unacked = line.split("\t")
         if name_found == name:
@@ -110,17 +97,21 @@ def test_task_is_persistent_and_queue_durable(run, broker_url, queue_name):
 # --- "Message acknowledgment" ---------------------------------------------------------------
 
 
-def test_busy_worker_task_shows_as_unacknowledged(start_worker, run, queue_name):
+def test_busy_worker_task_shows_as_unacknowledged(start_worker, run, queue_name, rabbitmqctl):
     # The tutorial's debugging recipe: `rabbitmqctl list_queues name messages_ready
     # messages_unacknowledged`. A task being worked on is unacknowledged, not ready;
     # once the worker says Done it is neither.
     worker = start_worker("--dot-seconds", "1")
     assert run("new_task.py", "--queue", queue_name, "Hello...").returncode == 0
     worker.wait_for(re.escape(" [x] Received 'Hello...'"))
-    eventually(lambda: ready_and_unacked(queue_name) == (0, 1), timeout=10, what="0 ready, 1 unacked")
+    eventually(
+        lambda: ready_and_unacked(rabbitmqctl, queue_name) == (0, 1), timeout=10, what="0 ready, 1 unacked"
+    )
     assert worker.count(re.escape(" [x] Done")) == 0, "the task ended before it was seen unacked"
     worker.wait_for(re.escape(" [x] Done"))
-    eventually(lambda: ready_and_unacked(queue_name) == (0, 0), timeout=10, what="0 ready, 0 unacked")
+    eventually(
+        lambda: ready_and_unacked(rabbitmqctl, queue_name) == (0, 0), timeout=10, what="0 ready, 0 unacked"
+    )
 
 
 def test_task_sent_before_any_worker_is_kept(start_worker, run, broker_url, queue_name):
