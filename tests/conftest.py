@@ -51,9 +51,10 @@ def broker_answers(url: str, within: float) -> bool:
             time.sleep(0.5)
 
 
-@pytest.fixture(scope="module")
-def module_node() -> Iterator["BrokerNode"]:
-    """A private RabbitMQ node the test module owns, to stop, kill or restart at will."""
+@pytest.fixture(scope="session")
+def private_node() -> Iterator["BrokerNode"]:
+    """A private RabbitMQ node the tests own, to stop, kill or restart at will (one for
+    the session: starting one takes seconds). Tests leave it running or restart it."""
     from broker_nodes import BrokerNode
 
     node = BrokerNode()
@@ -89,6 +90,14 @@ def session_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[s
         yield node.url, node.ctl
     finally:
         node.cleanup()
+
+
+@pytest.fixture
+def node(private_node: "BrokerNode") -> "BrokerNode":
+    """The private node, running: a previous test may have stopped it."""
+    if not private_node.running:
+        private_node.start()
+    return private_node
 
 
 @pytest.fixture(scope="session")

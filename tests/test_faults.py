@@ -272,14 +272,6 @@ def test_failing_foreign_task_is_parked_with_its_headers(start_worker, broker_ur
 
 
 @pytest.fixture
-def node(module_node: BrokerNode) -> BrokerNode:
-    """The module's private node, running (a previous test may have stopped it)."""
-    if not module_node.running:
-        module_node.start()
-    return module_node
-
-
-@pytest.fixture
 def node_env(node: BrokerNode, script_env: dict[str, str]) -> dict[str, str]:
     return {**script_env, "AMQP_URL": node.url}
 

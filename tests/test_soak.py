@@ -16,7 +16,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-from broker_nodes import BrokerNode
 from conftest import WAITING_LINE, Script, eventually
 from reliability_table import record, tally
 
@@ -28,11 +27,6 @@ PREFETCH = 1
 RESTART_AT = TASKS * 2 // 5  # tasks finished when the broker is restarted
 KILL_EVERY = 150  # tasks done between two kills, on average, if that comes before a second
 CHAOS_SECONDS = 60  # the whole run must finish within this, after the tasks are queued
-
-
-@pytest.fixture
-def node(module_node: BrokerNode) -> BrokerNode:
-    return module_node
 
 
 def chaos_schedule(chance: random.Random, done: int) -> tuple[float, int]:

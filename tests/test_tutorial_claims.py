@@ -125,26 +125,6 @@ def test_task_sent_before_any_worker_is_kept(start_worker, run, broker_url, queu
     assert received_lines(worker) == [" [x] Received 'Early task.'"]
 
 
-def test_unacked_task_is_redelivered_after_kill(start_worker, run, broker_url, queue_name):
-    # "If a worker dies, we'd like the task to be delivered to another worker."
-    # The worker acks after the work, so a worker killed mid-task (no chance to
-    # clean up) leaves the task to the broker, which requeues it. A worker that
-    # acked on receipt would lose it here.
-    worker = start_worker("--dot-seconds", "1")
-    assert run("new_task.py", "--queue", queue_name, "Long task" + "." * 60).returncode == 0
-    worker.wait_for(r" \[x\] Received 'Long task\.+'")
-    assert asyncio.run(queue_depth(broker_url, queue_name)) == 0  # taken, not ready
-    worker.signal(signal.SIGKILL)
-    worker.finish()
-    eventually(lambda: asyncio.run(queue_depth(broker_url, queue_name)) == 1, what="task requeued")
-
-    # Another worker then does it: nothing was lost.
-    rescuer = start_worker("--dot-seconds", "0")
-    rescuer.wait_for(r" \[x\] Received 'Long task\.+'")
-    rescuer.wait_for(re.escape(" [x] Done"))
-    assert worker.count(re.escape(" [x] Done")) == 0
-
-
 # --- "Fair dispatch" ------------------------------------------------------------------------
 
 # The tutorial's example: odd tasks heavy, even ones light. At --dot-seconds
