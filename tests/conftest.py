@@ -280,6 +280,16 @@ async def drain(url: str, name: str) -> list[aio_pika.abc.AbstractIncomingMessag
     return taken
 
 
+def depth_is(url: str, name: str, expected: int) -> bool:
+    """Whether the queue holds exactly `expected` ready messages: a check for eventually()."""
+    return asyncio.run(queue_depth(url, name)) == expected
+
+
+def received(task: str) -> str:
+    """The regex of the worker's line for `task`, as the tutorial prints it."""
+    return re.escape(f" [x] Received {task!r}")
+
+
 def eventually(check: Callable[[], bool], timeout: float = 15, what: str = "condition") -> None:
     """Poll `check` until it holds: for broker state that has no output line to wait on."""
     deadline = time.monotonic() + timeout

@@ -4,17 +4,8 @@ never looping. Quorum queues reach the same end through x-delivery-limit and dea
 """
 
 import asyncio
-import re
 
-from conftest import delete_queues, drain, eventually, queue_depth
-
-
-def depth_is(url: str, name: str, expected: int) -> bool:
-    return asyncio.run(queue_depth(url, name)) == expected
-
-
-def received(task: str) -> str:
-    return re.escape(f" [x] Received {task!r}")
+from conftest import delete_queues, depth_is, drain, eventually, received
 
 
 def send(run, queue: str, *tasks: str, queue_type: str = "classic"):

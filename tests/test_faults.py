@@ -20,7 +20,7 @@ from collections.abc import Callable
 import aio_pika
 import pytest
 from broker_nodes import BrokerNode
-from conftest import WAITING_LINE, Script, eventually
+from conftest import WAITING_LINE, Script, eventually, received
 from reliability_table import record, record_done, tally
 
 SLOW_TASK_SECONDS = "2"
@@ -32,10 +32,6 @@ def lost_line(node: BrokerNode) -> str:
 
 def reconnected_line(node: BrokerNode) -> str:
     return rf"^ \[\*\] Reconnected to 127\.0\.0\.1:{node.port}$"
-
-
-def received(body: str) -> str:
-    return re.escape(f" [x] Received {body!r}")
 
 
 def first_to_print(scripts: list[Script], pattern: str, timeout: float = 30) -> Script:

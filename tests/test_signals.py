@@ -14,13 +14,9 @@ from collections.abc import Iterator
 
 import aio_pika
 import pytest
-from conftest import WAITING_LINE, drain, eventually, queue_depth
+from conftest import WAITING_LINE, depth_is, drain, eventually
 
 LONG_TASK = "A long task" + "." * 30
-
-
-def depth_is(url: str, name: str, expected: int) -> bool:
-    return asyncio.run(queue_depth(url, name)) == expected
 
 
 async def publish(url: str, queue: str, body: str) -> None:
